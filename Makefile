@@ -1,0 +1,32 @@
+# Set-up, demo and tests. `make demo` and `make test` create .venv on first use.
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+
+.PHONY: setup demo test lint bench clean
+
+setup: $(STAMP)
+
+# torch is pinned first: 2.13.0 is the CPU build this project is measured on (a bare range
+# would pull a multi-GB CUDA build on a CPU-only machine); the package itself declares a range.
+$(STAMP): pyproject.toml
+	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --quiet "torch==2.13.0"
+	$(PY) -m pip install --quiet -e ".[test,serve,bench]"
+	@touch $(STAMP)
+
+demo: setup
+	$(PY) -m understudy.demo
+
+test: setup
+	$(PY) -m ruff check src tests
+	$(PY) -m pytest -q -rs
+
+lint: setup
+	$(PY) -m ruff check src tests
+	$(PY) -m ruff format --check src tests
+
+clean:
+	rm -rf $(VENV) build dist src/*.egg-info .pytest_cache .ruff_cache

@@ -1,0 +1,61 @@
+"""Automatic K: choose each round's speculation length from live measurements.
+
+Leviathan et al. 2023 (Theorem 3.8): with per-token acceptance alpha and draft cost c (one
+draft step / one target pass), a round of K guesses yields E(K) = (1 - alpha^(K+1)) / (1 - alpha)
+tokens at a cost of K*c + 1 target passes. Acceptance is not one number in practice: the
+i-th guess is accepted less often than the first, so we keep a running estimate of the
+conditional acceptance a_i = P(guess i accepted | guesses 1..i-1 accepted) per position, with
+a Beta prior, and c from measured times. Then E(K) = 1 + sum_j prod_{i<=j} a_i and we pick
+K in 0..k_max maximising E(K) / (K*c + 1). K = 0 is plain decoding (speculation does not
+pay); we still probe with K = 1 every few rounds so the estimates can recover.
+
+Determinism: c is measured once, when the engine is built (`Engine.from_pretrained`), and
+the acceptance estimates start fresh for every request, so the K sequence depends only on
+the request and its seed: seeded sampling stays reproducible.
+"""
+
+from __future__ import annotations
+
+
+class AdaptiveK:
+    PRIOR_ACCEPT = 0.7  # a prior belief, worth PRIOR_WEIGHT observations
+    PRIOR_WEIGHT = 2.0
+    DECAY = 0.98  # older rounds count less: acceptance drifts with the text
+    PROBE_EVERY = 8
+
+    def __init__(self, k_max: int, cost_ratio: float) -> None:
+        self.k_max = k_max
+        self.c = cost_ratio  # one draft step / one target pass, measured at engine build
+        self.hits = [self.PRIOR_ACCEPT * self.PRIOR_WEIGHT] * k_max  # accepted at position i
+        self.tries = [self.PRIOR_WEIGHT] * k_max  # reached position i
+        self.rounds_without_draft = 0
+
+    def expected_tokens(self, k: int) -> float:
+        total, reach = 1.0, 1.0
+        for i in range(k):
+            reach *= self.hits[i] / self.tries[i]
+            total += reach
+        return total
+
+    def choose(self) -> int:
+        c = self.c
+        best_k, best_rate = 0, 1.0
+        for k in range(1, self.k_max + 1):
+            rate = self.expected_tokens(k) / (k * c + 1.0)
+            if rate > best_rate:
+                best_k, best_rate = k, rate
+        if best_k == 0:
+            self.rounds_without_draft += 1
+            if self.rounds_without_draft >= self.PROBE_EVERY:
+                self.rounds_without_draft = 0
+                return 1
+        return best_k
+
+    def observe(self, drafted: int, accepted: int) -> None:
+        """Record one round: `accepted` of `drafted` guesses kept."""
+        for i in range(self.k_max):
+            self.hits[i] *= self.DECAY
+            self.tries[i] *= self.DECAY
+        for i in range(min(drafted, accepted + 1)):
+            self.tries[i] += 1.0
+            self.hits[i] += 1.0 if i < accepted else 0.0

