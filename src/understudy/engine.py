@@ -85,7 +85,10 @@ class Engine:
         max_context: int = 4096,
         verify_rows: int | None = None,
         device: str | None = None,
+        **drafter_options: object,
     ) -> Engine:
+        """Load the models and build a ready engine (DESIGN.md section 3). `drafter_options`
+        go to the drafter's `from_models` (e.g. prompt_lookup_max for method="ngram")."""
         from understudy.factory import build_engine
 
         return build_engine(
@@ -97,6 +100,7 @@ class Engine:
             max_context=max_context,
             verify_rows=verify_rows,
             device=device,
+            drafter_options=drafter_options,
         )
 
     def with_method(self, method: str) -> Engine:

@@ -88,6 +88,7 @@ def build_engine(
     max_context: int,
     verify_rows: int | None,
     device: str | None,
+    drafter_options: dict[str, object] | None = None,
 ) -> Engine:
     if method not in METHODS:
         raise UnderstudyError(f"unknown method {method!r}: choose one of {', '.join(METHODS)}")
@@ -108,6 +109,7 @@ def build_engine(
             stacklevel=3,
         )
     proposer = None
+    options = drafter_options or {}
     if method != "none":
         drafter = DRAFTERS[method]
         if drafter.needs_draft_model:
@@ -116,9 +118,9 @@ def build_engine(
                 raise UnderstudyError(f"method {method!r} needs a draft model: pass draft=...")
             draft_model = load_model(draft_spec, dtype, device)
             check_compatible(target_model, draft_model)
-            proposer = drafter.from_models(target_model, draft_model, max_context)
+            proposer = drafter.from_models(target_model, draft_model, max_context, **options)
         else:
-            proposer = drafter.from_models(target_model, None, max_context)
+            proposer = drafter.from_models(target_model, None, max_context, **options)
     engine = Engine(target_model, proposer, method, k, max_context, rows, exact)
     if k == "auto":
         engine.cost_ratio = measure_cost_ratio(engine)

@@ -23,7 +23,7 @@ class DraftModelProposer:
 
     @classmethod
     def from_models(
-        cls, target: LoadedModel, draft: LoadedModel | None, max_context: int
+        cls, target: LoadedModel, draft: LoadedModel | None, max_context: int, **options: object
     ) -> DraftModelProposer:
         assert draft is not None
         return cls(Runner(draft.model, max_context))
