@@ -195,7 +195,8 @@ class Engine:
         emitter = _Emitter(self, params, budget)
         device = self.target.model.device
         t0 = time.perf_counter()
-        logits = self.runner.prefill(torch.tensor(prompt_ids, device=device))  # [V]
+        span = len(prompt_ids) + budget
+        logits = self.runner.prefill(torch.tensor(prompt_ids, device=device), span)  # [V]
         first = self._choose(logits, params, gen)
         recorder.prefill(time.perf_counter() - t0, len(prompt_ids))
         tokens = [*prompt_ids, first]

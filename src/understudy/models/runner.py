@@ -5,8 +5,11 @@ sequence; everything past it is garbage that the next pass overwrites. Rolling b
 `truncate(n)`: position arithmetic, no copying (DESIGN.md section 4).
 
 With `rows` set (the target), every decode pass scores exactly `rows` query rows, real
-tokens first and filler after, so a real row's logits never depend on how many other rows
-are real: verification is bitwise the same as decoding one token at a time (FACTS.md).
+tokens first and filler after, over a fixed window of key slots chosen once per request
+(`prefill(..., span=)`), so a real row's logits depend neither on how many other rows are
+real nor on where the pass starts: verification is bitwise the same as decoding one token
+at a time. (Measured: with a key window that grows with the pass, SDPA's key blocking changes
+once the window crosses a block boundary and rows differ in the last bits.)
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ import torch
 from understudy.models.transformer import Transformer
 
 PREFILL_CHUNK = 512
+WINDOW_QUANTUM = 256  # key windows are multiples of this many slots
 
 
 class Runner:
@@ -24,7 +28,9 @@ class Runner:
         self.rows = rows
         self.max_context = max_context
         self.length = 0
-        model.allocate_cache(max_context + max(rows or 0, PREFILL_CHUNK))
+        self.slots = max_context + max(rows or 0, PREFILL_CHUNK)
+        self.window: int | None = None  # fixed key window for this request (None: grows)
+        model.allocate_cache(self.slots)
 
     @property
     def vocab_size(self) -> int:
@@ -41,15 +47,22 @@ class Runner:
         padded = torch.zeros(rows, dtype=torch.long, device=device)  # [rows], filler = id 0
         padded[:n] = tokens
         positions = torch.arange(start, start + rows, device=device)  # [rows]
-        mask = torch.arange(start + rows, device=device)[None, :] <= positions[:, None]  # [rows, L]
+        keys = max(self.window or 0, start + rows)
+        mask = torch.arange(keys, device=device)[None, :] <= positions[:, None]  # [rows, L]
         logits = self.model(padded, positions, positions, mask, logit_rows)
         self.length = start + n
         return logits
 
     @torch.inference_mode()
-    def prefill(self, tokens: torch.Tensor) -> torch.Tensor:
-        """Feed a whole prompt [n] from an empty cache; return the last row's logits [vocab]."""
+    def prefill(self, tokens: torch.Tensor, span: int | None = None) -> torch.Tensor:
+        """Feed a whole prompt [n] from an empty cache; return the last row's logits [vocab].
+        `span`: the most tokens this request will hold (prompt + budget); with `rows` set,
+        every pass then attends over the same fixed window of key slots."""
         self.length = 0
+        self.window = None
+        if self.rows is not None:
+            need = (span or self.max_context) + self.rows
+            self.window = min(self.slots, -(-need // WINDOW_QUANTUM) * WINDOW_QUANTUM)
         for begin in range(0, tokens.shape[0], PREFILL_CHUNK):
             chunk = tokens[begin : begin + PREFILL_CHUNK]
             logits = self._pass(chunk, chunk.shape[0], slice(chunk.shape[0] - 1, chunk.shape[0]))
