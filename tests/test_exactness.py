@@ -83,9 +83,14 @@ def test_greedy_identity_default_configuration(tiny_pair):
     spec = Engine.from_pretrained(target=target, draft=draft, dtype="float32")
     plain = Engine.from_pretrained(target=target, method="none", dtype="float32")
     assert spec.exact and plain.exact and spec.runner.rows == plain.runner.rows
+    spec.cost_ratio = 0.05  # as for a cheap draft: auto K then drafts up to rows - 1 tokens
     params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
+    drafted = 0
     for prompt in random_prompts(10, seed=3):
-        assert spec.generate(prompt, params).token_ids == plain.generate(prompt, params).token_ids
+        out = spec.generate(prompt, params)
+        assert out.token_ids == plain.generate(prompt, params).token_ids
+        drafted += out.stats.drafted
+    assert drafted > 0
 
 
 def test_non_default_row_budget_is_flagged(tiny_pair):

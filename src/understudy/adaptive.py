@@ -18,7 +18,7 @@ from __future__ import annotations
 
 
 class AdaptiveK:
-    PRIOR_ACCEPT = 0.7  # a prior belief, worth PRIOR_WEIGHT observations
+    PRIOR_ACCEPT = 0.8  # a prior belief, worth PRIOR_WEIGHT observations
     PRIOR_WEIGHT = 2.0
     DECAY = 0.98  # older rounds count less: acceptance drifts with the text
     PROBE_EVERY = 8

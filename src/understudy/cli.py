@@ -13,6 +13,7 @@ from typing import Annotated
 import typer
 from rich.console import Console
 
+from understudy.cli_serve import serve
 from understudy.cli_simulate import simulate
 
 app = typer.Typer(
@@ -23,6 +24,9 @@ app = typer.Typer(
 )
 app.command("simulate", help="The theory: expected tokens per round, speedup and the best K.")(
     simulate
+)
+app.command("serve", help="Serve the engine over OpenAI's HTTP API, with the live Lab at /lab.")(
+    serve
 )
 
 ORIGIN_STYLE = {"accepted": "green", "corrected": "yellow", "bonus": "cyan", "target": "default"}

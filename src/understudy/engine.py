@@ -42,6 +42,18 @@ class TokenEvent:
     round: int
 
 
+@dataclass(frozen=True)
+class RoundEvent:
+    """One verification round, for those who want to see it (the Lab): every drafted token,
+    rejected ones included, how many were accepted, and the target's own token."""
+
+    round: int
+    drafted: list[int]
+    accepted: int
+    next_token: int
+    origin: str  # of next_token: "corrected", "bonus" or "target" (nothing drafted)
+
+
 @dataclass
 class GenerationOutput:
     text: str
@@ -166,11 +178,17 @@ class Engine:
                 on_token(event)
         return stream.output
 
-    def stream(self, prompt: Prompt, params: SamplingParams | None = None) -> TokenStream:
-        """An iterator of TokenEvents; its `.output` is the GenerationOutput once exhausted."""
+    def stream(
+        self,
+        prompt: Prompt,
+        params: SamplingParams | None = None,
+        on_round: Callable[[RoundEvent], None] | None = None,
+    ) -> TokenStream:
+        """An iterator of TokenEvents; its `.output` is the GenerationOutput once exhausted.
+        `on_round` (optional) sees each round's drafted tokens before its tokens are emitted."""
         params = params or SamplingParams()
         prompt_ids = self.encode(prompt)
-        return TokenStream(self._stream(prompt_ids, params), prompt_ids)
+        return TokenStream(self._stream(prompt_ids, params, on_round), prompt_ids)
 
     def _choose(self, logits: torch.Tensor, params: SamplingParams, gen: torch.Generator) -> int:
         if params.greedy:
@@ -187,7 +205,10 @@ class Engine:
         )
 
     def _stream(
-        self, prompt_ids: list[int], params: SamplingParams
+        self,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        on_round: Callable[[RoundEvent], None] | None = None,
     ) -> Iterator[TokenEvent | GenerationOutput]:
         recorder = StatsRecorder(self.method, self.k, self.exact)
         gen = make_generator(params.seed)
@@ -217,19 +238,21 @@ class Engine:
             logits = self.runner.extend(fed).cpu()  # [k'+1, V]
             verdict = self._verify(proposal, logits, params, gen)
             self.runner.truncate(len(tokens) + verdict.accepted)
+            if policy is not None:
+                policy.observe(proposal.size, verdict.accepted)
             recorder.round(
                 proposal.size, verdict.accepted, t_verify - t_draft, time.perf_counter() - t_verify
             )
-            kept = proposal.draft_ids[: verdict.accepted].tolist()
+            drafted = proposal.draft_ids.tolist()
+            kept = drafted[: verdict.accepted]
             tokens += [*kept, verdict.next_token]
+            if proposal.size == 0:
+                origin = "target"
+            else:
+                origin = "bonus" if verdict.accepted == proposal.size else "corrected"
+            if on_round is not None:
+                on_round(RoundEvent(rounds, drafted, verdict.accepted, verdict.next_token, origin))
             yield from emitter.emit(kept, "accepted", rounds)
-            origin = (
-                "target"
-                if proposal.size == 0
-                else "bonus"
-                if verdict.accepted == proposal.size
-                else "corrected"
-            )
             yield from emitter.emit([verdict.next_token], origin, rounds)
             if self.proposer is not None and not emitter.done:
                 self.proposer.commit(tokens)

@@ -32,8 +32,9 @@ def default_verify_rows(dtype: torch.dtype, device: torch.device) -> int:
     return 3
 
 
-def measure_cost_ratio(engine: Engine, repeats: int = 3) -> float:
-    """c = one draft step / one target pass, timed on a short dummy context."""
+def measure_cost_ratio(engine: Engine, repeats: int = 5) -> float:
+    """c = one draft step / one target pass, timed on a short dummy context (best of
+    `repeats`, after a warm-up pass, so a busy machine disturbs it less), clamped to [0.01, 1]."""
     proposer = engine.proposer
     if proposer is None or not hasattr(proposer, "runner"):
         return 0.0
@@ -41,6 +42,8 @@ def measure_cost_ratio(engine: Engine, repeats: int = 3) -> float:
 
     def best_of(runner: Runner, tokens: torch.Tensor) -> float:
         runner.prefill(context)
+        runner.extend(tokens)  # warm-up
+        runner.truncate(context.shape[0])
         times = []
         for _ in range(repeats):
             t0 = time.perf_counter()
@@ -53,7 +56,7 @@ def measure_cost_ratio(engine: Engine, repeats: int = 3) -> float:
     target_pass = best_of(engine.runner, context[:1])
     engine.runner.truncate(0)
     proposer.runner.truncate(0)
-    return draft_step / target_pass
+    return min(max(draft_step / target_pass, 0.01), 1.0)
 
 
 def check_compatible(target: LoadedModel, draft: LoadedModel) -> None:

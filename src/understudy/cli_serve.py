@@ -1,0 +1,133 @@
+"""`understudy serve`: the OpenAI-compatible server and the Lab, on one engine.
+
+    python -m understudy.cli_serve [--target T] [--draft D] [--method M] [-k K|auto]
+                                   [--host 127.0.0.1] [--port 8000] [--api-key KEY]
+
+Binds to 127.0.0.1 unless told otherwise. SIGTERM (or Ctrl-C) stops accepting connections,
+lets the requests in flight finish (up to --drain-timeout seconds), then exits with status 0.
+"""
+
+from __future__ import annotations
+
+import signal
+from typing import Annotated
+
+import typer
+
+ERROR_EXIT_CODE = 2
+
+
+def serve(
+    target: Annotated[
+        str | None, typer.Option(help="Target model: registry name, HF id, directory or .gguf.")
+    ] = None,
+    draft: Annotated[str | None, typer.Option(help="Draft model (method=draft).")] = None,
+    method: Annotated[str, typer.Option(help="none | draft | ... (see README)")] = "draft",
+    k: Annotated[
+        str,
+        typer.Option(
+            "-k", "--num-speculative-tokens", help="Tokens drafted per round: 1..64 or auto."
+        ),
+    ] = "auto",
+    host: Annotated[str, typer.Option(help="Address to bind (0.0.0.0 = every interface).")] = (
+        "127.0.0.1"
+    ),
+    port: Annotated[int, typer.Option(help="TCP port.")] = 8000,
+    api_key: Annotated[
+        str | None,
+        typer.Option(
+            envvar="UNDERSTUDY_API_KEY",
+            help="Require 'Authorization: Bearer KEY' on /v1 requests (and Lab runs).",
+        ),
+    ] = None,
+    max_queue: Annotated[
+        int, typer.Option(help="Requests that may wait while one runs; more get HTTP 429.")
+    ] = 64,
+    served_model_name: Annotated[
+        str | None, typer.Option(help="The model id clients send (default: the target's name).")
+    ] = None,
+    dtype: Annotated[str, typer.Option(help="auto | float32 | bfloat16 | float16")] = "auto",
+    max_context: Annotated[int, typer.Option(help="Prompt + generation, in tokens.")] = 4096,
+    max_body_bytes: Annotated[int, typer.Option(help="Largest request body accepted.")] = 1 << 20,
+    drain_timeout: Annotated[
+        float, typer.Option(help="On SIGTERM, seconds to let requests in flight finish.")
+    ] = 120.0,
+    log_level: Annotated[str, typer.Option(help="uvicorn log level.")] = "info",
+) -> None:
+    """Serve the engine over OpenAI's HTTP API, with the live Lab at /lab."""
+    from rich.console import Console
+
+    err = Console(stderr=True, highlight=False, soft_wrap=True)
+
+    def fail(message: str) -> None:
+        err.print(f"[red]error:[/red] {message}")
+        raise typer.Exit(ERROR_EXIT_CODE)
+
+    if not 1 <= port <= 65535:
+        fail(f"--port must be in 1..65535, got {port}")
+    if max_queue < 0:
+        fail(f"--max-queue must be >= 0, got {max_queue}")
+    if max_body_bytes < 1024:
+        fail(f"--max-body-bytes must be at least 1024, got {max_body_bytes}")
+    try:
+        import uvicorn
+
+        from understudy.server import create_app
+    except ImportError as error:
+        fail(f"serving needs fastapi and uvicorn ({error}): pip install 'understudy[serve]'")
+        return
+
+    from understudy.config import UnderstudyError
+    from understudy.engine import Engine
+
+    err.print(f"loading {target or 'the default pair'} (method={method}, k={k}) ...")
+    try:
+        engine = Engine.from_pretrained(
+            target=target,
+            draft=draft,
+            method=method,
+            num_speculative_tokens=k,
+            dtype=dtype,
+            max_context=max_context,
+        )
+    except UnderstudyError as error:
+        fail(str(error))
+        return
+    app = create_app(
+        engine,
+        api_key=api_key,
+        max_queue=max_queue,
+        model_name=served_model_name,
+        max_body_bytes=max_body_bytes,
+    )
+    name = app.state.model_name
+    shown = f"[{host}]" if ":" in host else host
+    err.print(
+        f"serving [bold]{name}[/bold] ({engine.method}, k={engine.k}) on "
+        f"http://{shown}:{port}/v1   Lab: http://{shown}:{port}/lab"
+        + ("   (API key required)" if api_key else "")
+    )
+    # uvicorn handles SIGTERM/SIGINT itself (stop accepting, drain, shut down), then raises
+    # the signal again under the handler that was there before it: make that one a no-op,
+    # so a drained server exits with status 0 instead of dying by the signal.
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, _drained)
+    uvicorn.run(
+        app,
+        host=host,
+        port=port,
+        log_level=log_level,
+        timeout_graceful_shutdown=drain_timeout,
+    )
+
+
+def _drained(signum: int, frame: object) -> None:
+    """The signal arrives again once uvicorn has drained: nothing left to do."""
+
+
+def main() -> None:
+    typer.run(serve)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,311 @@
+"""The OpenAI-compatible HTTP server: `create_app(engine)` builds the FastAPI application.
+
+Routes: GET /health, GET /v1/models, POST /v1/completions, POST /v1/chat/completions
+(`stream: true` answers with server-sent events, the last chunk carrying `usage` and the
+speculative stats), GET /metrics (Prometheus text) and the Lab (/lab, see lab.py).
+
+Every response that generated text carries the request's speculative statistics, named as
+in DESIGN.md section 2, under `metrics.speculative_decoding` (vLLM reports per-request
+speculative metrics the same way).
+
+The engine runs on one worker thread (worker.py); handlers only wait for its events.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from understudy.config import SamplingParams
+from understudy.server.generation import StopHoldback, account, generation_work
+from understudy.server.guard import Guard
+from understudy.server.metrics import Metrics
+from understudy.server.protocol import (
+    SSE_HEADERS,
+    APIError,
+    ChatCompletionRequest,
+    CompletionRequest,
+    _SamplingRequest,
+    as_api_error,
+    sse,
+    validation_error,
+)
+from understudy.server.worker import Job, QueueFull, Worker
+
+log = logging.getLogger("understudy.server")
+
+DEFAULT_MAX_QUEUE = 64
+DEFAULT_MAX_BODY_BYTES = 1 << 20  # 1 MiB: a full 4096-token context is ~20 kB of text
+COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
+
+
+def create_app(
+    engine: Any,
+    *,
+    api_key: str | None = None,
+    max_queue: int = DEFAULT_MAX_QUEUE,
+    model_name: str | None = None,
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+) -> FastAPI:
+    """The ASGI application serving `engine` (an understudy Engine; it is used from one
+    worker thread only). `model_name` is the id clients send as `model` (default: the
+    target's name)."""
+    name = model_name or getattr(getattr(engine, "target", None), "name", None) or "understudy"
+    worker = Worker(max_queue)
+    metrics = Metrics(name, str(engine.method))
+    created = int(time.time())
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        worker.start()
+        yield
+        # uvicorn has drained the HTTP requests (SIGTERM); let the thread finish and go.
+        await asyncio.get_running_loop().run_in_executor(None, worker.stop, 30.0)
+
+    app = FastAPI(title="understudy", docs_url=None, redoc_url=None, lifespan=lifespan)
+    app.state.engine = engine
+    app.state.worker = worker
+    app.state.metrics = metrics
+    app.state.model_name = name
+
+    @app.exception_handler(APIError)
+    async def _api_error(request: Request, exc: APIError) -> JSONResponse:
+        return JSONResponse(exc.body(), status_code=exc.status)
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
+        error = validation_error(exc)
+        return JSONResponse(error.body(), status_code=error.status)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
+        message = (
+            f"no route {request.method} {request.url.path}"
+            if exc.status_code in (404, 405)
+            else str(exc.detail)
+        )
+        error = APIError(exc.status_code, message, kind=kind)
+        return JSONResponse(error.body(), status_code=exc.status_code)
+
+    @app.exception_handler(Exception)
+    async def _internal(request: Request, exc: Exception) -> JSONResponse:
+        log.exception("internal error", exc_info=exc)
+        return JSONResponse(as_api_error(exc).body(), status_code=500)
+
+    @app.get("/health")
+    async def health() -> dict[str, Any]:
+        return {
+            "status": "ok",
+            "model": name,
+            "method": engine.method,
+            "running": worker.running,
+            "waiting": worker.waiting,
+        }
+
+    @app.get("/metrics")
+    async def prometheus() -> PlainTextResponse:
+        text = metrics.render(worker.running, worker.waiting)
+        return PlainTextResponse(text, media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    def model_card() -> dict[str, Any]:
+        return {
+            "id": name,
+            "object": "model",
+            "created": created,
+            "owned_by": "understudy",
+            "max_model_len": engine.max_context,
+        }
+
+    @app.get("/v1/models")
+    async def models() -> dict[str, Any]:
+        return {"object": "list", "data": [model_card()]}
+
+    @app.get("/v1/models/{model_id:path}")
+    async def model(model_id: str) -> dict[str, Any]:
+        check_model(model_id, "model_id")
+        return model_card()
+
+    def check_model(requested: str, param: str = "model") -> None:
+        if requested != name:
+            raise APIError(
+                404,
+                f"the model {requested!r} does not exist: this server serves {name!r}",
+                param,
+                kind="not_found_error",
+                code="model_not_found",
+            )
+
+    def submit(work: Any) -> Job:
+        job = Job(work, asyncio.get_running_loop())
+        try:
+            worker.submit(job)
+        except QueueFull:
+            raise APIError(
+                429,
+                f"the server is busy: {worker.max_queue} requests are already waiting; retry later",
+                kind="rate_limit_error",
+                code="queue_full",
+            ) from None
+        return job
+
+    app.state.submit = submit
+
+    async def generate(
+        request: Request,
+        body: _SamplingRequest,
+        prompt: Any,
+        params: SamplingParams,
+        chat: bool,
+    ) -> Response:
+        prompt_param = "messages" if chat else "prompt"
+        job = submit(
+            generation_work(engine, prompt, params, body.max_tokens is not None, prompt_param)
+        )
+        events = job.stream(request.is_disconnected)
+        streaming = False
+        try:
+            first = await anext(events, None)
+            if first is None or first[0] == "cancelled":
+                return Response(status_code=499)  # the client has gone; nobody reads this
+            if first[0] == "error":
+                raise as_api_error(first[1])
+            prompt_tokens = first[1]["prompt_tokens"]
+            response_id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
+            if body.stream:
+                streaming = True  # stream_chunks owns `events` from here on
+                return StreamingResponse(
+                    stream_chunks(events, job, body, params, chat, response_id, prompt_tokens),
+                    media_type="text/event-stream",
+                    headers=SSE_HEADERS,
+                )
+            ttft = None
+            async for kind, payload in events:
+                if kind == "token" and ttft is None:
+                    ttft = time.perf_counter() - job.submitted_at
+                elif kind == "error":
+                    raise as_api_error(payload)
+                elif kind == "done":
+                    account(metrics, job, payload, ttft)
+                    return JSONResponse(full_response(payload, chat, response_id, prompt_tokens))
+            return Response(status_code=499)
+        finally:
+            if not streaming:
+                await events.aclose()
+
+    def usage(output: Any, prompt_tokens: int) -> dict[str, int]:
+        completion = len(output.token_ids)
+        return {
+            "prompt_tokens": prompt_tokens,
+            "completion_tokens": completion,
+            "total_tokens": prompt_tokens + completion,
+        }
+
+    def full_response(output: Any, chat: bool, response_id: str, prompt_tokens: int) -> dict:
+        stats = output.stats.to_dict()
+        choice: dict[str, Any] = {"index": 0, "logprobs": None}
+        if chat:
+            choice["message"] = {"role": "assistant", "content": output.text}
+        else:
+            choice["text"] = output.text
+        choice["finish_reason"] = stats["finish_reason"]
+        return {
+            "id": response_id,
+            "object": "chat.completion" if chat else "text_completion",
+            "created": int(time.time()),
+            "model": name,
+            "choices": [choice],
+            "usage": usage(output, prompt_tokens),
+            "metrics": {"speculative_decoding": stats},
+        }
+
+    async def stream_chunks(
+        events: Any,
+        job: Job,
+        body: _SamplingRequest,
+        params: SamplingParams,
+        chat: bool,
+        response_id: str,
+        prompt_tokens: int,
+    ) -> AsyncIterator[bytes]:
+        created_at = int(time.time())
+        holdback = StopHoldback(params.stop)
+
+        def chunk(text: str | None, finish_reason: str | None = None) -> dict[str, Any]:
+            choice: dict[str, Any] = {"index": 0, "logprobs": None}
+            if chat:
+                choice["delta"] = {} if text is None else {"content": text}
+            else:
+                choice["text"] = text or ""
+            choice["finish_reason"] = finish_reason
+            return {
+                "id": response_id,
+                "object": "chat.completion.chunk" if chat else "text_completion",
+                "created": created_at,
+                "model": name,
+                "choices": [choice],
+            }
+
+        ttft = None
+        try:
+            if chat:
+                first = chunk("")
+                first["choices"][0]["delta"] = {"role": "assistant", "content": ""}
+                yield sse(first)
+            async for kind, payload in events:
+                if kind == "token":
+                    if ttft is None:
+                        ttft = time.perf_counter() - job.submitted_at
+                    text = holdback.push(payload.text)
+                    if text:
+                        yield sse(chunk(text))
+                elif kind == "done":
+                    account(metrics, job, payload, ttft)
+                    last = chunk(holdback.finish(payload.text), payload.stats.finish_reason)
+                    last["usage"] = usage(payload, prompt_tokens)
+                    last["metrics"] = {"speculative_decoding": payload.stats.to_dict()}
+                    yield sse(last)
+                    if body.include_usage_chunk:
+                        usage_chunk = chunk(None)
+                        usage_chunk["choices"] = []
+                        usage_chunk["usage"] = last["usage"]
+                        yield sse(usage_chunk)
+                    yield sse("[DONE]")
+                elif kind == "error":
+                    yield sse(as_api_error(payload).body())
+                    yield sse("[DONE]")
+        finally:
+            job.cancel()  # the client went away (or we are done): stop generating
+            await events.aclose()
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest, request: Request) -> Response:
+        body.check_supported()
+        check_model(body.model)
+        prompt = body.engine_prompt()
+        params = body.sampling_params(COMPLETIONS_DEFAULT_MAX_TOKENS)
+        return await generate(request, body, prompt, params, chat=False)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
+        body.check_supported()
+        check_model(body.model)
+        params = body.sampling_params(engine.max_context)  # default: until EOS or full context
+        return await generate(request, body, body.engine_prompt(), params, chat=True)
+
+    from understudy.server.lab import add_lab_routes
+
+    add_lab_routes(app, engine, submit, metrics, model_name=name, auth_required=bool(api_key))
+
+    app.add_middleware(Guard, api_key=api_key, max_body_bytes=max_body_bytes, metrics=metrics)
+    return app

@@ -1,0 +1,121 @@
+"""Running one request on the engine (worker thread) and turning its events into responses.
+
+`generation_work` is what the worker thread runs for /v1 requests: encode, check the budget,
+stream tokens, finish. `StopHoldback` keeps a streamed text consistent with the final one:
+text that might be the start of a stop string is held back until it is known not to be.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterable, Iterator
+from typing import Any
+
+from understudy.config import SamplingParams, UnderstudyError
+from understudy.server.metrics import Metrics
+from understudy.server.protocol import APIError, error_from_understudy
+from understudy.server.worker import Job
+
+
+def encode_for_budget(
+    engine: Any,
+    prompt: Any,
+    params: SamplingParams,
+    explicit_max_tokens: bool,
+    prompt_param: str,
+) -> list[int]:
+    """Prompt token ids, or an APIError naming the field at fault (prompt, max_tokens)."""
+    try:
+        ids = engine.encode(prompt)
+    except UnderstudyError as error:
+        raise error_from_understudy(error, prompt_param) from None
+    if explicit_max_tokens and len(ids) + params.max_tokens > engine.max_context:
+        raise APIError(
+            400,
+            f"max_tokens is {params.max_tokens} and the prompt has {len(ids)} tokens: "
+            f"together more than the context of {engine.max_context} tokens",
+            "max_tokens",
+        )
+    return ids
+
+
+def until_cancelled(stream: Iterable[Any], job: Job) -> Iterator[Any]:
+    """The engine stream's events until the job is cancelled; then the engine's generator is
+    closed at once (not at garbage collection), so the engine is free for the next request."""
+    events = iter(stream)
+    try:
+        for event in events:
+            if job.cancelled.is_set():
+                return
+            yield event
+    finally:
+        close = getattr(events, "close", None)
+        if close is not None:
+            close()
+
+
+def generation_work(
+    engine: Any,
+    prompt: Any,
+    params: SamplingParams,
+    explicit_max_tokens: bool,
+    prompt_param: str,
+) -> Callable[[Job], None]:
+    """The worker-thread side of a /v1 request. Emits "start" ({"prompt_tokens"}), then a
+    "token" per TokenEvent, then "done" (the GenerationOutput) -- or "error"/"cancelled"."""
+
+    def work(job: Job) -> None:
+        try:
+            ids = encode_for_budget(engine, prompt, params, explicit_max_tokens, prompt_param)
+        except APIError as error:
+            job.emit("error", error)
+            return
+        job.emit("start", {"prompt_tokens": len(ids)})
+        stream = engine.stream(ids, params)
+        for event in until_cancelled(stream, job):
+            job.emit("token", event)
+        job.emit("cancelled" if job.cancelled.is_set() else "done", stream.output)
+
+    return work
+
+
+def account(metrics: Metrics, job: Job, output: Any, ttft: float | None) -> None:
+    """Record a finished generation: its stats, latency, time to first token, queue wait."""
+    now = time.perf_counter()
+    queue_s = (job.started_at or now) - job.submitted_at
+    metrics.generation(output.stats.to_dict(), now - job.submitted_at, ttft, queue_s)
+
+
+class StopHoldback:
+    """Streams text deltas without ever sending text a stop string later removes.
+
+    The engine cuts a stop string out of its final text, but a stop string can span several
+    tokens, and the first ones were already emitted. So the longest suffix of the text that
+    is a proper prefix of some stop string waits until the next token settles it; `finish`
+    sends whatever of the final text has not been sent yet."""
+
+    def __init__(self, stop: list[str]) -> None:
+        self.stop = stop
+        self.text = ""
+        self.sent = 0
+
+    def push(self, delta: str) -> str:
+        self.text += delta
+        safe = len(self.text) - self._held()
+        if safe <= self.sent:
+            return ""
+        out = self.text[self.sent : safe]
+        self.sent = safe
+        return out
+
+    def finish(self, final_text: str) -> str:
+        return final_text[self.sent :]
+
+    def _held(self) -> int:
+        held = 0
+        for s in self.stop:
+            for n in range(min(len(s) - 1, len(self.text)), held, -1):
+                if self.text.endswith(s[:n]):
+                    held = n
+                    break
+        return held

@@ -1,0 +1,272 @@
+"""The Lab: /lab (one self-contained HTML page) and the JSON/SSE endpoints it drives.
+
+- GET  /lab                the page (src/understudy/web/lab.html; no external network)
+- GET  /lab/api/info       what the server runs: model, method, K, measured draft cost c
+- POST /lab/api/run        one generation on the real engine, streamed as server-sent events:
+                           {"type": "start"}, a {"type": "token"} per emitted token (its
+                           origin, round, the round's drafted tokens -- rejected ones
+                           included -- and live counters), then {"type": "done"} with the stats.
+                           mode "plain" uses the same weights with method="none".
+- GET  /lab/api/theory     `understudy.theory.simulate_report`: the same numbers as
+                           `understudy simulate` (Act 3's dial).
+- GET  /lab/api/alpha      the per-token acceptance α implied by a measured
+                           accepted/drafted rate at K (inverts `expected_acceptance_rate`).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from importlib import resources
+from typing import Any, Literal
+
+from fastapi import FastAPI, Request
+from fastapi.responses import HTMLResponse, StreamingResponse
+from pydantic import BaseModel, ConfigDict, Field
+
+from understudy.config import SamplingParams, UnderstudyError
+from understudy.server.generation import account, encode_for_budget, until_cancelled
+from understudy.server.metrics import Metrics
+from understudy.server.protocol import SSE_HEADERS, APIError, as_api_error, sse
+from understudy.server.worker import Job
+
+LAB_MAX_TOKENS = 1024
+THEORY_ROUNDS = 4000  # Monte Carlo rounds per dial move: a few ms
+
+
+class LabRun(BaseModel):
+    model_config = ConfigDict(strict=True, allow_inf_nan=False, extra="forbid")
+
+    mode: Literal["plain", "spec"]
+    prompt: str = Field(min_length=1)
+    chat: bool = False
+    max_tokens: int = Field(default=96, ge=1, le=LAB_MAX_TOKENS)
+    temperature: float = Field(default=0.0, ge=0.0)
+    seed: int | None = None
+
+
+class RecordingProposer:
+    """Wraps the engine's proposer for one Lab run to remember each round's drafted tokens
+    (the TokenEvent stream carries only the tokens that were kept)."""
+
+    def __init__(self, inner: Any) -> None:
+        self.inner = inner
+        self._last: list[int] | None = None
+
+    def begin(self, prompt_ids: list[int]) -> None:
+        self.inner.begin(prompt_ids)
+
+    def propose(self, tokens: list[int], k: int, params: Any, generator: Any) -> Any:
+        proposal = self.inner.propose(tokens, k, params, generator)
+        self._last = proposal.draft_ids.tolist()
+        return proposal
+
+    def commit(self, tokens: list[int]) -> None:
+        self.inner.commit(tokens)
+
+    def pop(self) -> list[int]:
+        """The drafted ids of the round now being emitted ([] when nothing was drafted)."""
+        drafted, self._last = self._last or [], None
+        return drafted
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+
+class _Engines:
+    """The served engine and, built on first use (on the worker thread), its plain twin."""
+
+    def __init__(self, engine: Any) -> None:
+        self.engine = engine
+        self._plain: Any | None = None
+        self._pieces: dict[int, str] = {}
+
+    def for_mode(self, mode: str) -> Any:
+        if mode == "spec" or self.engine.method == "none":
+            return self.engine
+        if self._plain is None:
+            self._plain = self.engine.with_method("none")
+        return self._plain
+
+    def piece(self, token_id: int) -> str:
+        """One token's own text, for showing it as a chip."""
+        text = self._pieces.get(token_id)
+        if text is None:
+            tokenizer = self.engine.tokenizer
+            text = tokenizer.decode([token_id]) if tokenizer is not None else f"⟨{token_id}⟩"
+            self._pieces[token_id] = text
+        return text
+
+
+def lab_work(engines: _Engines, run: LabRun, params: SamplingParams) -> Callable[[Job], None]:
+    """The worker-thread side of a Lab run: emits "start", "token" payloads, "done"."""
+
+    def work(job: Job) -> None:
+        engine = engines.for_mode(run.mode)
+        prompt: Any = [{"role": "user", "content": run.prompt}] if run.chat else run.prompt
+        try:
+            ids = encode_for_budget(engine, prompt, params, True, "prompt")
+        except APIError as error:
+            job.emit("error", error)
+            return
+        recorder = RecordingProposer(engine.proposer) if engine.proposer is not None else None
+        if recorder is not None:
+            engine.proposer = recorder
+        try:
+            job.emit("start", {"prompt_tokens": len(ids)})
+            stream = engine.stream(ids, params)
+            t0 = time.perf_counter()
+            counters = {"tokens": 0, "passes": 0, "rounds": 0, "drafted": 0, "accepted": 0}
+            current = -1
+            for event in until_cancelled(stream, job):
+                payload: dict[str, Any] = {
+                    "type": "token",
+                    "id": event.token_id,
+                    "text": event.text,
+                    "piece": engines.piece(event.token_id),
+                    "origin": event.origin,
+                    "round": event.round,
+                }
+                if event.round != current:  # the first token of a new round (target pass)
+                    current = event.round
+                    counters["passes"] = event.round + 1  # the prefill is pass 1
+                    counters["rounds"] = event.round
+                    drafted = recorder.pop() if recorder is not None and event.round else []
+                    counters["drafted"] += len(drafted)
+                    payload["drafted"] = [{"id": t, "piece": engines.piece(t)} for t in drafted]
+                counters["tokens"] += 1
+                counters["accepted"] += event.origin == "accepted"
+                payload["counters"] = dict(counters)
+                payload["t"] = time.perf_counter() - t0
+                job.emit("token", payload)
+            job.emit("cancelled" if job.cancelled.is_set() else "done", stream.output)
+        finally:
+            if recorder is not None:
+                engine.proposer = recorder.inner
+
+    return work
+
+
+def alpha_from_acceptance(rate: float, k: int) -> float:
+    """The α whose expected accepted/drafted at K equals `rate` (bisection; monotone in α)."""
+    from understudy.theory import expected_acceptance_rate
+
+    low, high = 0.0, 1.0
+    for _ in range(60):
+        mid = (low + high) / 2
+        if expected_acceptance_rate(mid, k) < rate:
+            low = mid
+        else:
+            high = mid
+    return (low + high) / 2
+
+
+def _theory_error(error: UnderstudyError) -> APIError:
+    message = str(error)
+    first = message.split(" ", 1)[0]
+    param = {"alpha": "alpha", "c": "c", "K": "k"}.get(first)
+    return APIError(400, message, param)
+
+
+def add_lab_routes(
+    app: FastAPI,
+    engine: Any,
+    submit: Callable[[Callable[[Job], None]], Job],
+    metrics: Metrics,
+    *,
+    model_name: str,
+    auth_required: bool,
+) -> None:
+    engines = _Engines(engine)
+    page = resources.files("understudy").joinpath("web/lab.html").read_text(encoding="utf-8")
+
+    @app.get("/lab", response_class=HTMLResponse)
+    async def lab_page() -> HTMLResponse:
+        return HTMLResponse(page)
+
+    @app.get("/lab/api/info")
+    async def lab_info() -> dict[str, Any]:
+        tokenizer = engine.tokenizer
+        return {
+            "model": model_name,
+            "method": engine.method,
+            "k": engine.k,
+            "cost_ratio": float(getattr(engine, "cost_ratio", 0.0) or 0.0),
+            "max_context": engine.max_context,
+            "max_tokens": LAB_MAX_TOKENS,
+            "chat_template": bool(
+                tokenizer is not None and getattr(tokenizer, "chat_template", None)
+            ),
+            "auth_required": auth_required,
+        }
+
+    @app.get("/lab/api/theory")
+    async def lab_theory(alpha: float, c: float, k: int | None = None) -> dict[str, Any]:
+        from understudy.theory import simulate_report
+
+        try:
+            return simulate_report(alpha, c, k, rounds=THEORY_ROUNDS)
+        except UnderstudyError as error:
+            raise _theory_error(error) from None
+
+    @app.get("/lab/api/alpha")
+    async def lab_alpha(acceptance_rate: float, k: int) -> dict[str, Any]:
+        if not 0.0 <= acceptance_rate <= 1.0:
+            raise APIError(400, "acceptance_rate must be in [0, 1]", "acceptance_rate")
+        if not 1 <= k <= 64:
+            raise APIError(400, "k must be in 1..64", "k")
+        return {"alpha": alpha_from_acceptance(acceptance_rate, k), "k": k}
+
+    @app.post("/lab/api/run")
+    async def lab_run(run: LabRun, request: Request) -> StreamingResponse:
+        try:
+            params = SamplingParams(
+                max_tokens=run.max_tokens, temperature=run.temperature, seed=run.seed
+            )
+        except UnderstudyError as error:
+            raise APIError(400, str(error)) from None
+        job = submit(lab_work(engines, run, params))
+        events = job.stream(request.is_disconnected)
+        first = await anext(events, None)
+        if first is None or first[0] != "start":
+            await events.aclose()
+            if first is not None and first[0] == "error":
+                raise as_api_error(first[1])
+            raise APIError(499, "the client went away")
+        start = {
+            "type": "start",
+            "mode": run.mode,
+            "method": engine.method if run.mode == "spec" else "none",
+            "prompt_tokens": first[1]["prompt_tokens"],
+        }
+
+        async def body() -> Any:
+            ttft = None
+            try:
+                yield sse(start)
+                async for kind, payload in events:
+                    if kind == "token":
+                        if ttft is None:
+                            ttft = time.perf_counter() - job.submitted_at
+                        yield sse(payload)
+                    elif kind == "done":
+                        account(metrics, job, payload, ttft)
+                        yield sse(
+                            {
+                                "type": "done",
+                                "text": payload.text,
+                                "token_ids": payload.token_ids,
+                                "stats": payload.stats.to_dict(),
+                            }
+                        )
+                    elif kind == "error":
+                        yield sse({"type": "error", "message": as_api_error(payload).message})
+            finally:
+                job.cancel()
+                await events.aclose()
+
+        return StreamingResponse(
+            body(),
+            media_type="text/event-stream",
+            headers=SSE_HEADERS,
+        )

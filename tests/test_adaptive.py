@@ -1,0 +1,48 @@
+"""Automatic K: the choice follows acceptance and cost as the theory says."""
+
+from __future__ import annotations
+
+from understudy.adaptive import AdaptiveK
+from understudy.theory import optimal_k
+
+
+def feed(policy: AdaptiveK, alpha: float, rounds: int = 200) -> None:
+    """Rounds in which each guess is accepted with probability alpha (deterministic pattern)."""
+    for r in range(rounds):
+        k = policy.k_max
+        accepted = 0
+        while accepted < k and ((r * 7 + accepted * 13) % 100) < alpha * 100:
+            accepted += 1
+        policy.observe(k, accepted)
+
+
+def test_high_acceptance_cheap_draft_uses_every_row():
+    policy = AdaptiveK(k_max=15, cost_ratio=0.02)
+    feed(policy, alpha=0.95)
+    assert policy.choose() == 15
+
+
+def test_expensive_draft_and_poor_acceptance_falls_back_to_plain_and_probes():
+    policy = AdaptiveK(k_max=4, cost_ratio=0.9)
+    for _ in range(100):
+        policy.observe(2, 0)
+    choices = [policy.choose() for _ in range(16)]
+    assert choices.count(0) == 14 and choices.count(1) == 2  # a K=1 probe every 8 rounds
+
+
+def test_choice_matches_theory_for_uniform_acceptance():
+    """With a per-position acceptance of exactly alpha, the choice is Leviathan's optimal K."""
+    for alpha, c in [(0.9, 0.3), (0.8, 0.1), (0.6, 0.05)]:
+        policy = AdaptiveK(k_max=64, cost_ratio=c)
+        policy.hits = [alpha * 1e6] * 64
+        policy.tries = [1e6] * 64
+        assert policy.choose() == optimal_k(alpha, c)[0]
+
+
+def test_estimates_are_per_position():
+    policy = AdaptiveK(k_max=3, cost_ratio=0.1)
+    for _ in range(300):
+        policy.observe(3, 1)  # first guess always kept, second never
+    assert policy.hits[0] / policy.tries[0] > 0.95
+    assert policy.hits[1] / policy.tries[1] < 0.05
+    assert policy.choose() == 1
