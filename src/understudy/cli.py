@@ -1,4 +1,4 @@
-"""The `understudy` command line: generate, simulate (and bench, serve as they land).
+"""The `understudy` command line: generate, simulate, serve and bench.
 
 Errors a user can cause (bad flags, unknown models, a prompt too long) print one line and
 exit with status 2; no traceback.
@@ -13,6 +13,7 @@ from typing import Annotated
 import typer
 from rich.console import Console
 
+from understudy.cli_bench import bench
 from understudy.cli_serve import serve
 from understudy.cli_simulate import simulate
 
@@ -25,6 +26,7 @@ app = typer.Typer(
 app.command("simulate", help="The theory: expected tokens per round, speedup and the best K.")(
     simulate
 )
+app.command("bench", help="Methods and peers side by side on the same prompts, with plots.")(bench)
 app.command("serve", help="Serve the engine over OpenAI's HTTP API, with the live Lab at /lab.")(
     serve
 )
@@ -44,7 +46,7 @@ def generate(
         str | None, typer.Option(help="Target model: registry name, HF id, directory or .gguf.")
     ] = None,
     draft: Annotated[str | None, typer.Option(help="Draft model (method=draft).")] = None,
-    method: Annotated[str, typer.Option(help="none | draft | ... (see README)")] = "draft",
+    method: Annotated[str, typer.Option(help="none | draft | ngram | suffix | hybrid")] = "draft",
     k: Annotated[
         str,
         typer.Option(
@@ -66,6 +68,10 @@ def generate(
     ] = False,
     dtype: Annotated[str, typer.Option(help="auto | float32 | bfloat16 | float16")] = "auto",
     max_context: Annotated[int, typer.Option(help="Prompt + generation, in tokens.")] = 4096,
+    option: Annotated[
+        list[str] | None,
+        typer.Option(help="Drafter option key=value (repeatable), e.g. prompt_lookup_max=3."),
+    ] = None,
 ) -> None:
     """Generate text, streaming tokens coloured by origin: accepted (green), corrected
     (yellow), bonus (cyan), target-only (plain)."""
@@ -82,6 +88,7 @@ def generate(
             seed=seed,
             stop=list(stop or []),
         )
+        drafter_options = parse_options(option or [])
         engine = Engine.from_pretrained(
             target=target,
             draft=draft,
@@ -89,6 +96,7 @@ def generate(
             num_speculative_tokens=k,
             dtype=dtype,
             max_context=max_context,
+            **drafter_options,
         )
         request = [{"role": "user", "content": prompt}] if chat else prompt
         stream = engine.stream(request, params)
@@ -117,6 +125,26 @@ def generate(
         f"({s.tokens_per_s:.2f} tok/s), {s.target_passes} target passes, "
         f"{s.tokens_per_pass:.2f} tokens/pass, acceptance {s.acceptance_rate:.0%}[/dim]"
     )
+
+
+def parse_options(pairs: list[str]) -> dict[str, object]:
+    """["prompt_lookup_max=3", "hybrid_free=ngram"] -> {"prompt_lookup_max": 3, ...}."""
+    from understudy.config import UnderstudyError
+
+    options: dict[str, object] = {}
+    for pair in pairs:
+        key, sep, raw = pair.partition("=")
+        if not sep or not key:
+            raise UnderstudyError(f"--option takes key=value, got {pair!r}")
+        value: object = raw
+        for cast in (int, float):
+            try:
+                value = cast(raw)
+                break
+            except ValueError:
+                continue
+        options[key] = value
+    return options
 
 
 def main() -> None:

@@ -256,6 +256,9 @@ class Engine:
             yield from emitter.emit([verdict.next_token], origin, rounds)
             if self.proposer is not None and not emitter.done:
                 self.proposer.commit(tokens)
+        end = getattr(self.proposer, "end", None)  # e.g. the suffix drafter's cross-request cache
+        if end is not None:
+            end(tokens)
         stats = recorder.finish(len(emitter.token_ids), emitter.finish_reason)
         yield GenerationOutput(emitter.text, emitter.token_ids, stats, prompt_ids)
 

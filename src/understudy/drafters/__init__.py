@@ -1,6 +1,11 @@
 """Drafters, one file per method; importing this package registers them all."""
 
-from understudy.drafters import draft_model  # noqa: F401  (registers "draft")
+from understudy.drafters import (
+    draft_model,  # noqa: F401  (registers "draft")
+    hybrid,  # noqa: F401  (registers "hybrid")
+    ngram,  # noqa: F401  (registers "ngram")
+    suffix,  # noqa: F401  (registers "suffix")
+)
 from understudy.drafters.base import DRAFTERS, Proposal, Proposer
 
 __all__ = ["DRAFTERS", "Proposal", "Proposer"]

@@ -1,0 +1,232 @@
+"""method="hybrid": a free drafter (suffix trie or n-gram lookup) and the draft model, per round.
+
+Each round the free drafter offers guesses g_1..g_f from a match of length m; then one of
+these plans runs (all deterministic given the text and the rounds so far):
+- free:  g_1..g_f alone, at no draft cost;
+- model: the draft model guesses K tokens (K * c of a target pass, c = draft/target cost);
+- mixed: g_1..g_j, then the draft model extends them by K tokens (a short match extended);
+- none:  a plain target pass.
+The plan maximises expected tokens per unit of cost, E / (1 + K * c) (Leviathan et al. 2023,
+Thm 3.8), with E = 1 + sum_i P(guesses 1..i all accepted) from running acceptance estimates:
+one per match-length bucket for free guesses, one per position for model guesses, learnt from
+the verifier's verdicts (seen in `commit`), starting from priors at every request. So a free
+draft is used when its match is confident enough to beat the model, and hybrid is never
+expected to be slower than the better of its parts.
+
+Verification stays exact: free guesses are deterministic (q = one-hot), model guesses carry
+their q. A mixed proposal's q is [j + K, vocab]: one-hot rows for g_1..g_j (exactly what
+q = None means) and the model's rows after them. Greedy: q = None throughout.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Protocol
+
+import torch
+
+from understudy.config import SamplingParams, UnderstudyError
+from understudy.drafters.base import DRAFTERS, Proposal, register
+from understudy.drafters.draft_model import DraftModelProposer
+from understudy.drafters.ngram import take_options
+from understudy.models.loader import LoadedModel
+from understudy.models.runner import Runner
+
+FREE_METHODS = ("suffix", "ngram")
+FREE_PRIOR = (0.2, 0.4, 0.6, 0.75, 0.85)  # P(free guess accepted) by bucket: m 1, 2-3, 4-7, ...
+MODEL_PRIOR = 0.7
+PRIOR_WEIGHT = 2.0
+DECAY = 0.98
+
+
+class FreeDrafter(Protocol):
+    """What hybrid needs of a free drafter (NgramProposer, SuffixProposer)."""
+
+    def begin(self, prompt_ids: list[int]) -> None: ...
+
+    def draft(self, tokens: list[int], k: int) -> tuple[list[int], int]:
+        """Up to k guesses for what follows `tokens`, and the length of their match."""
+        ...
+
+    def commit(self, tokens: list[int]) -> None: ...
+
+
+def bucket(match_len: int) -> int:
+    """Match lengths 1 | 2-3 | 4-7 | 8-15 | 16+ -> 0..4."""
+    return min(max(match_len, 1).bit_length(), len(FREE_PRIOR)) - 1
+
+
+def measure_cost_ratio(target: LoadedModel, draft_runner: Runner, repeats: int = 3) -> float:
+    """c = one draft step / one target pass (as the engine's passes are shaped), timed once.
+
+    The target's KV cache is set aside and restored, so this never disturbs an engine built on
+    the same model (factory.measure_cost_ratio measures the same way for method="draft")."""
+    from understudy.factory import default_verify_rows  # factory imports the drafters
+
+    model = target.model
+    context = torch.arange(1, 33, device=model.device)
+
+    def best_step(runner: Runner, tokens: torch.Tensor) -> float:
+        runner.prefill(tokens)
+        times = []
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            runner.extend(tokens[:1])
+            times.append(time.perf_counter() - t0)
+            runner.truncate(tokens.shape[0])
+        runner.truncate(0)
+        return min(times)
+
+    saved = (model.k_cache, model.v_cache)
+    model.k_cache, model.v_cache = [], []
+    try:
+        rows = default_verify_rows(model.dtype, model.device)
+        target_step = best_step(Runner(model, 64, rows=rows), context)
+    finally:
+        model.k_cache, model.v_cache = saved
+    draft_step = best_step(draft_runner, context.to(draft_runner.model.device))
+    return draft_step / target_step
+
+
+def mixed_q(free: torch.Tensor, model_q: torch.Tensor) -> torch.Tensor:
+    """q of a mixed proposal: one-hot rows for the free guesses free [j] (what q = None
+    means), then the draft model's rows model_q [K, vocab]. Returns [j + K, vocab]."""
+    j = free.shape[0]
+    full = model_q.new_zeros(j + model_q.shape[0], model_q.shape[1])  # [j + K, vocab]
+    full[torch.arange(j), free] = 1.0
+    full[j:] = model_q
+    return full
+
+
+@register("hybrid")
+class HybridProposer:
+    """Options: hybrid_free ("suffix" | "ngram", default "suffix"), hybrid_cost_ratio (c;
+    default: measured when the engine is built); the free drafter's own options pass through
+    (suffix_decoding_*, prompt_lookup_*)."""
+
+    needs_draft_model = True
+
+    @classmethod
+    def from_models(
+        cls, target: LoadedModel, draft: LoadedModel | None, max_context: int, **options: object
+    ) -> HybridProposer:
+        own = {name: options.pop(name) for name in list(options) if name.startswith("hybrid_")}
+        opts = take_options("hybrid", own, {"hybrid_free": "suffix", "hybrid_cost_ratio": None})
+        free_method = opts["hybrid_free"]
+        if free_method not in FREE_METHODS:
+            raise UnderstudyError(
+                f"hybrid_free must be one of {', '.join(FREE_METHODS)}, got {free_method!r}"
+            )
+        free = DRAFTERS[free_method].from_models(target, None, max_context, **options)
+        model = DraftModelProposer.from_models(target, draft, max_context)
+        cost = opts["hybrid_cost_ratio"]
+        if cost is None:
+            cost = measure_cost_ratio(target, model.runner)
+        return cls(free, model, cost)
+
+    def __init__(self, free: FreeDrafter, model: DraftModelProposer, cost_ratio: float) -> None:
+        if isinstance(cost_ratio, bool) or not isinstance(cost_ratio, int | float):
+            raise UnderstudyError(f"hybrid_cost_ratio must be a number >= 0, got {cost_ratio!r}")
+        if cost_ratio < 0:
+            raise UnderstudyError(f"hybrid_cost_ratio must be >= 0, got {cost_ratio}")
+        self.free = free
+        self.model = model  # not exposed as `.runner`: the engine's K stays the row budget
+        self.cost_ratio = float(cost_ratio)
+        self.plans = {"free": 0, "model": 0, "mixed": 0, "none": 0}  # rounds, all requests
+        self._reset_estimates()
+        self._last: tuple[int, list[int], int, int, int] | None = None  # the round's plan
+
+    def _reset_estimates(self) -> None:
+        self.free_hits = [p * PRIOR_WEIGHT for p in FREE_PRIOR]
+        self.free_tries = [PRIOR_WEIGHT] * len(FREE_PRIOR)
+        self.model_hits: list[float] = []
+        self.model_tries: list[float] = []
+
+    def _model_accept(self, i: int) -> float:
+        """P(model guess i accepted | the guesses before it were)."""
+        while len(self.model_tries) <= i:
+            self.model_hits.append(MODEL_PRIOR * PRIOR_WEIGHT)
+            self.model_tries.append(PRIOR_WEIGHT)
+        return self.model_hits[i] / self.model_tries[i]
+
+    def plan(self, k: int, free_len: int, match_len: int) -> tuple[int, int]:
+        """(j, K): use the first j free guesses, then K model guesses, for the most expected
+        tokens per unit of cost; (0, 0) (a plain pass) unless some plan beats it."""
+        alpha = self.free_hits[bucket(match_len)] / self.free_tries[bucket(match_len)]
+        c = self.cost_ratio
+        model_gain = [0.0]  # model_gain[K] = sum_{i<=K} prod_{t<=i} a_t
+        reach = 1.0
+        for i in range(k):
+            reach *= self._model_accept(i)
+            model_gain.append(model_gain[-1] + reach)
+        best_rate, best = 1.0, (0, 0)
+        free_gain, free_reach = 0.0, 1.0
+        for j in range(free_len + 1):
+            if j:
+                free_reach *= alpha
+                free_gain += free_reach
+            for n_model in range(k - j + 1):
+                rate = (1.0 + free_gain + free_reach * model_gain[n_model]) / (1.0 + n_model * c)
+                if rate > best_rate + 1e-12 and (j or n_model):
+                    best_rate, best = rate, (j, n_model)
+        return best
+
+    def begin(self, prompt_ids: list[int]) -> None:
+        self.free.begin(prompt_ids)
+        self.model.begin(prompt_ids)
+        self._reset_estimates()
+        self._last = None
+
+    def propose(
+        self, tokens: list[int], k: int, params: SamplingParams, generator: torch.Generator
+    ) -> Proposal:
+        guesses, match_len = self.free.draft(tokens, k)
+        j, n_model = self.plan(k, len(guesses), match_len)
+        free = torch.tensor(guesses[:j], dtype=torch.long)  # [j]
+        if n_model == 0:
+            self.plans["free" if j else "none"] += 1
+            proposal = Proposal(free, None)  # q = one-hot
+        else:
+            self.plans["mixed" if j else "model"] += 1
+            context = tokens + guesses[:j] if j else tokens
+            extended = self.model.propose(context, n_model, params, generator)
+            q = extended.draft_probs  # [K, vocab], or None (greedy)
+            ids = torch.cat([free, extended.draft_ids])  # [j + K]
+            if q is not None and j:
+                q = mixed_q(free, q)
+            proposal = Proposal(ids, q)
+        self._last = (len(tokens), proposal.draft_ids.tolist(), j, n_model, bucket(match_len))
+        return proposal
+
+    def commit(self, tokens: list[int]) -> None:
+        if self._last is not None:
+            self._observe(tokens, *self._last)
+            self._last = None
+        self.free.commit(tokens)
+        self.model.commit(tokens)
+
+    def _observe(
+        self, tokens: list[int], start: int, ids: list[int], j: int, n_model: int, b: int
+    ) -> None:
+        """Learn from the verdict: how many of the proposed ids the sequence now starts with."""
+        accepted = 0
+        while (
+            accepted < len(ids)
+            and start + accepted < len(tokens)
+            and tokens[start + accepted] == ids[accepted]
+        ):
+            accepted += 1
+        if j:
+            self.free_hits[b] *= DECAY
+            self.free_tries[b] *= DECAY
+            for i in range(min(j, accepted + 1)):
+                self.free_tries[b] += 1.0
+                self.free_hits[b] += 1.0 if i < accepted else 0.0
+        if n_model:
+            for i in range(len(self.model_tries)):
+                self.model_hits[i] *= DECAY
+                self.model_tries[i] *= DECAY
+            for i in range(min(n_model, accepted - j + 1)):
+                self._model_accept(i)  # make sure position i has an estimate
+                self.model_tries[i] += 1.0
+                self.model_hits[i] += 1.0 if j + i < accepted else 0.0

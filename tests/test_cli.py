@@ -1,0 +1,133 @@
+"""The `understudy` command line, run as a user runs it (a real subprocess)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+
+def cli(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "understudy.cli", *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+
+
+def test_generate_json_plain_and_speculative_agree(tiny_pair):
+    target, draft = tiny_pair
+    common = [
+        "generate",
+        "def add(a, b):",
+        "--target",
+        target,
+        "--dtype",
+        "float32",
+        "--json",
+        "--max-tokens",
+        "12",
+    ]
+    fast = cli(*common, "--draft", draft, "-k", "2")
+    slow = cli(*common, "--method", "none")
+    assert fast.returncode == 0, fast.stderr
+    a, b = json.loads(fast.stdout), json.loads(slow.stdout)
+    assert a["token_ids"] == b["token_ids"] and a["text"] == b["text"]
+    for key in (
+        "method",
+        "k",
+        "tokens",
+        "target_passes",
+        "tokens_per_pass",
+        "acceptance_rate",
+        "mean_accepted_length",
+        "per_position_acceptance",
+        "prefill_s",
+        "decode_s",
+        "wall_s",
+        "tokens_per_s",
+        "decode_tokens_per_s",
+    ):
+        assert key in a["stats"]
+    assert b["stats"]["tokens_per_pass"] == 1.0
+
+
+def test_generate_streams_with_summary(tiny_pair):
+    target, draft = tiny_pair
+    run = cli(
+        "generate",
+        "for i in",
+        "--target",
+        target,
+        "--draft",
+        draft,
+        "--dtype",
+        "float32",
+        "--max-tokens",
+        "8",
+    )
+    assert run.returncode == 0, run.stderr
+    assert "tokens/pass" in run.stderr and "target passes" in run.stderr
+
+
+def test_drafter_options_pass_through(tiny_pair):
+    target, _ = tiny_pair
+    ok = cli(
+        "generate",
+        "a b a b a b",
+        "--target",
+        target,
+        "--method",
+        "ngram",
+        "--dtype",
+        "float32",
+        "--option",
+        "prompt_lookup_max=3",
+        "--json",
+        "--max-tokens",
+        "6",
+    )
+    assert ok.returncode == 0, ok.stderr
+    bad = cli(
+        "generate",
+        "a b",
+        "--target",
+        target,
+        "--method",
+        "ngram",
+        "--dtype",
+        "float32",
+        "--option",
+        "no_such_option=1",
+        "--json",
+        "--max-tokens",
+        "6",
+    )
+    assert bad.returncode == 2
+    assert "no_such_option" in bad.stderr and "Traceback" not in bad.stderr
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["-k", "0"], "num_speculative_tokens"),
+        (["--method", "telepathy"], "unknown method"),
+        (["--temperature", "-1"], "temperature"),
+        (["--top-p", "0"], "top_p"),
+        (["--target", "no-such-model"], "no-such-model"),
+    ],
+)
+def test_bad_input_is_one_clear_line(args, message):
+    run = cli("generate", "hello", *args, timeout=120)
+    assert run.returncode == 2
+    assert message in run.stderr and "Traceback" not in run.stderr
+    assert run.stdout == ""
+
+
+def test_subcommands_have_help():
+    for sub in ("generate", "simulate", "serve", "bench"):
+        run = cli(sub, "--help", timeout=120)
+        assert run.returncode == 0, (sub, run.stderr)

@@ -1,0 +1,280 @@
+"""method="hybrid": the plan (free / model / mixed / none), the q of a mixed proposal, greedy
+identity with every plan in play, the target's distribution under sampling with mixed
+proposals (and a mutation check), options."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from scipy.stats import chisquare
+
+from understudy import Engine, SamplingParams, UnderstudyError
+from understudy.drafters import hybrid as hybrid_module
+from understudy.drafters.base import Proposal
+from understudy.drafters.hybrid import HybridProposer, bucket, mixed_q
+from understudy.sampling import warp_probs
+
+ALPHA = 1e-3
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+# -- the plan ----------------------------------------------------------------------------------
+
+
+def test_buckets():
+    assert [bucket(m) for m in (0, 1, 2, 3, 4, 7, 8, 15, 16, 100)] == [0, 0, 1, 1, 2, 2, 3, 3, 4, 4]
+
+
+def test_plan_from_priors():
+    # a long match (prior 0.75 per guess) at c = 0.3: free beats the model, 2.31 vs 1.37
+    assert HybridProposer(None, None, 0.3).plan(2, 2, 8) == (2, 0)
+    # nothing free: the model if it pays (c = 0.3), else a plain pass (c = 2)
+    assert HybridProposer(None, None, 0.3).plan(2, 0, 0) == (0, 2)
+    assert HybridProposer(None, None, 2.0).plan(2, 0, 0) == (0, 0)
+    # a short, confident free run extended by a cheap model: mixed
+    assert HybridProposer(None, None, 0.1).plan(4, 1, 16) == (1, 3)
+    # a weak one-token match and a cheap model: the model alone
+    assert HybridProposer(None, None, 0.1).plan(4, 4, 1) == (0, 4)
+
+
+def test_plan_learns_from_verdicts():
+    proposer = HybridProposer(None, None, 0.3)
+    assert proposer.plan(2, 2, 8) == (2, 0)
+    for _ in range(20):  # free guesses from long matches keep being rejected at once
+        proposer._observe([0, 5], 1, [6, 7], 2, 0, bucket(8))
+    assert proposer.plan(2, 2, 8) == (0, 2)
+    for _ in range(40):  # and now the model's guesses too
+        proposer._observe([0, 5], 1, [6, 7], 0, 2, bucket(8))
+    assert proposer.plan(2, 0, 0) == (0, 0)
+
+
+# -- the q of a mixed proposal -----------------------------------------------------------------
+
+
+class StubFree:
+    def __init__(self, guesses: list[int], match: int) -> None:
+        self.guesses, self.match = guesses, match
+
+    def begin(self, prompt_ids):
+        pass
+
+    def draft(self, tokens, k):
+        return self.guesses[:k], self.match
+
+    def commit(self, tokens):
+        pass
+
+
+class StubModel:
+    def __init__(self, vocab: int) -> None:
+        self.vocab = vocab
+        self.seen: list[list[int]] = []
+
+    def begin(self, prompt_ids):
+        pass
+
+    def propose(self, tokens, k, params, generator):
+        self.seen.append(list(tokens))
+        q = torch.softmax(torch.arange(k * self.vocab, dtype=torch.float32).view(k, -1), -1)
+        ids = torch.arange(k, dtype=torch.long)
+        return Proposal(ids, None if params.greedy else q)
+
+    def commit(self, tokens):
+        pass
+
+
+def test_mixed_proposal_q():
+    model = StubModel(vocab=6)
+    proposer = HybridProposer(StubFree([4, 5], 16), model, 0.1)
+    proposer.plan = lambda k, free_len, match_len: (2, 2)
+    sampled = proposer.propose([9, 9], 4, SamplingParams(temperature=1.0), torch.Generator())
+    assert model.seen[-1] == [9, 9, 4, 5]  # the model continues after the free guesses
+    assert sampled.draft_ids.tolist() == [4, 5, 0, 1]
+    q = sampled.draft_probs
+    assert q.shape == (4, 6)
+    assert torch.equal(q[:2], torch.nn.functional.one_hot(torch.tensor([4, 5]), 6).float())
+    stub_q = torch.softmax(torch.arange(12, dtype=torch.float32).view(2, -1), -1)
+    assert torch.equal(q[2:], stub_q)
+    assert torch.equal(mixed_q(torch.tensor([4, 5]), stub_q), q)
+    greedy = proposer.propose([9, 9], 4, SamplingParams(temperature=0.0), torch.Generator())
+    assert greedy.draft_probs is None and greedy.draft_ids.tolist() == [4, 5, 0, 1]
+    proposer.plan = lambda k, free_len, match_len: (2, 0)
+    free_only = proposer.propose([9, 9], 4, SamplingParams(temperature=1.0), torch.Generator())
+    assert free_only.draft_probs is None and free_only.draft_ids.tolist() == [4, 5]
+    assert proposer.plans == {"free": 1, "model": 0, "mixed": 2, "none": 0}
+
+
+def test_commit_learns_the_verdict():
+    proposer = HybridProposer(StubFree([4, 5], 16), StubModel(6), 0.1)
+    proposer.plan = lambda k, free_len, match_len: (2, 0)
+    before = proposer.free_hits[bucket(16)] / proposer.free_tries[bucket(16)]
+    proposer.propose([9, 9], 2, SamplingParams(), torch.Generator())
+    proposer.commit([9, 9, 4, 7])  # first guess kept, second rejected
+    after = proposer.free_hits[bucket(16)] / proposer.free_tries[bucket(16)]
+    assert after != before
+    tries = proposer.free_tries[bucket(16)]
+    assert tries == pytest.approx(2.0 * 0.98 + 2)  # prior (decayed) + two guesses reached
+
+
+# -- through the engine ------------------------------------------------------------------------
+
+
+def repetitive_prompts(n: int, seed: int) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for _ in range(n):
+        length = int(torch.randint(3, 20, (1,), generator=g))
+        out.append(torch.randint(1, 300, (length,), generator=g).tolist() * 2)
+    return out
+
+
+def force_mixing(k: int, free_len: int, match_len: int) -> tuple[int, int]:
+    """A plan that mixes whenever it can: one free guess, then the draft model."""
+    return min(1, free_len), k - min(1, free_len)
+
+
+@pytest.mark.filterwarnings("ignore:target passes hold")
+@pytest.mark.parametrize(
+    "free, k, forced", [("suffix", "auto", False), ("ngram", "auto", False), ("suffix", 4, True)]
+)
+def test_greedy_identity(tiny_pair, free, k, forced):
+    target, draft = tiny_pair
+    plain = Engine.from_pretrained(target=target, method="none", dtype="float32")
+    engine = Engine.from_pretrained(
+        target=target,
+        draft=draft,
+        method="hybrid",
+        num_speculative_tokens=k,
+        dtype="float32",
+        hybrid_free=free,
+        hybrid_cost_ratio=0.25,
+    )
+    if forced:
+        engine.proposer.plan = force_mixing
+    params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
+    accepted = 0
+    for prompt in repetitive_prompts(8, seed=5):
+        out = engine.generate(prompt, params)
+        assert out.token_ids == plain.generate(prompt, params).token_ids
+        accepted += out.stats.accepted
+    plans = engine.proposer.plans
+    assert accepted > 0 and plans["model"] > 0, plans
+    assert plans["mixed" if forced else "free"] > 0, plans
+
+
+def test_options(tiny_pair):
+    target, draft = tiny_pair
+    engine = Engine.from_pretrained(
+        target=target,
+        draft=draft,
+        method="hybrid",
+        dtype="float32",
+        hybrid_free="ngram",
+        prompt_lookup_max=3,
+    )
+    assert engine.proposer.free.index.max_n == 3
+    assert 0 < engine.proposer.cost_ratio < 100  # measured: the tiny pair costs about the same
+    assert not hasattr(engine.proposer, "runner")  # so the engine's K is the full row budget
+    with pytest.raises(UnderstudyError, match="hybrid_free"):
+        Engine.from_pretrained(target=target, draft=draft, method="hybrid", hybrid_free="x")
+    with pytest.raises(UnderstudyError, match="hybrid_cost"):
+        Engine.from_pretrained(target=target, draft=draft, method="hybrid", hybrid_cost_ratio=-1.0)
+    with pytest.raises(UnderstudyError, match="prompt_lookup_max"):
+        Engine.from_pretrained(target=target, draft=draft, method="hybrid", prompt_lookup_max=3)
+    with pytest.raises(UnderstudyError, match="needs a draft model"):
+        Engine.from_pretrained(target=target, method="hybrid")
+
+
+# -- sampling: mixed proposals keep the target's distribution ---------------------------------
+
+# 4 tokens, so the first round may draft K = 2 (the row budget); the test looks at 3
+SAMPLING = SamplingParams(max_tokens=4, temperature=1.0, top_k=3, ignore_eos=True)
+SAMPLES = 1000
+
+
+def exact_law(engine: Engine, prompt: list[int]) -> dict[tuple[int, ...], float]:
+    """P(x1, x2, x3) under the target's warped distribution, by enumeration."""
+    law: dict[tuple[int, ...], float] = {}
+
+    def expand(prefix: tuple[int, ...], mass: float) -> None:
+        if len(prefix) == 3:
+            law[prefix] = mass
+            return
+        logits = engine.runner.prefill(torch.tensor(prompt + list(prefix)))
+        probs = warp_probs(logits[None], SAMPLING)[0]
+        for token in probs.nonzero().flatten().tolist():
+            expand((*prefix, token), mass * float(probs[token]))
+
+    expand((), 1.0)
+    return law
+
+
+def goodness_of_fit(engine: Engine, prompt: list[int], seeds: range) -> float:
+    law = exact_law(engine, prompt)
+    counts = dict.fromkeys(law, 0)
+    for seed in seeds:
+        out = engine.generate(prompt, SamplingParams(**{**SAMPLING.__dict__, "seed": seed}))
+        key = tuple(out.token_ids[:3])
+        if key not in counts:
+            return 0.0  # a sequence the target never produces
+        counts[key] += 1
+    observed, expected, tail_o, tail_e = [], [], 0, 0.0
+    for cell in sorted(law, key=law.get, reverse=True):  # pool cells expecting < 5
+        e = law[cell] * len(seeds)
+        if e >= 5:
+            observed.append(counts[cell])
+            expected.append(e)
+        else:
+            tail_o, tail_e = tail_o + counts[cell], tail_e + e
+    if tail_e > 0:
+        observed.append(tail_o)
+        expected.append(tail_e)
+    scale = sum(observed) / sum(expected)
+    return float(chisquare(observed, [e * scale for e in expected]).pvalue)
+
+
+@pytest.fixture(scope="module")
+def mixed_engine(tiny_pair):
+    """Hybrid forced to mix whenever it can, and a prompt where the first round usually has
+    a free guess (right about half the time) for the model to extend."""
+    from test_ngram import informative_prompt
+
+    target, draft = tiny_pair
+    engine = Engine.from_pretrained(
+        target=target,
+        draft=draft,
+        method="hybrid",
+        dtype="float32",
+        hybrid_free="ngram",
+        hybrid_cost_ratio=0.1,
+    )
+    engine.proposer.plan = force_mixing
+    return engine, informative_prompt(engine)
+
+
+def test_sampling_with_mixed_proposals_matches_target(mixed_engine):
+    engine, prompt = mixed_engine
+    pvalue = goodness_of_fit(engine, prompt, range(SAMPLES))
+    plans = engine.proposer.plans
+    assert plans["mixed"] > SAMPLES / 2, plans  # the first round mixed in most runs
+    assert pvalue > ALPHA, f"p = {pvalue:.2e}"
+
+
+def test_misaligned_q_fails_the_same_test(mixed_engine, monkeypatch):
+    """Mutation check: the model's q rows put at the free guesses' positions is detected."""
+
+    def misaligned(free, model_q):
+        full = mixed_q(free, model_q)
+        return torch.cat([full[free.shape[0] :], full[: free.shape[0]]])  # WRONG: rows rotated
+
+    engine, prompt = mixed_engine
+    monkeypatch.setattr(hybrid_module, "mixed_q", misaligned)
+    pvalue = goodness_of_fit(engine, prompt, range(SAMPLES, 2 * SAMPLES))
+    assert pvalue < ALPHA, f"the misaligned q was not detected (p = {pvalue:.3f})"
