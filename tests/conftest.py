@@ -42,7 +42,13 @@ def make_tiny_tokenizer(out_dir: Path) -> None:
     fast.save_pretrained(out_dir)
 
 
-def make_tiny_pair(root: Path, seed: int = 0, noise: float = 0.05, tokenizer: bool = True, lm_head_scale: float = 10.0) -> tuple[str, str]:
+def make_tiny_pair(
+    root: Path,
+    seed: int = 0,
+    noise: float = 0.05,
+    tokenizer: bool = True,
+    lm_head_scale: float = 10.0,
+) -> tuple[str, str]:
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
     torch.manual_seed(seed)

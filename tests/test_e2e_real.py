@@ -13,9 +13,14 @@ from understudy import Engine, SamplingParams
 pytestmark = pytest.mark.e2e
 
 PROMPTS = [
-    "def is_prime(n: int) -> bool:\n    \"\"\"Return True when n is a prime number.\"\"\"\n",
-    "import json\n\n\ndef load_config(path):\n    \"\"\"Read a JSON config file and return it as a dict, or {} if missing.\"\"\"\n",
-    [{"role": "user", "content": "Add type hints to this function:\n\ndef area(w, h):\n    return w * h"}],
+    'def is_prime(n: int) -> bool:\n    """Return True when n is a prime number."""\n',
+    'import json\n\n\ndef load_config(path):\n    """Read a JSON config file and return it as a dict, or {} if missing."""\n',
+    [
+        {
+            "role": "user",
+            "content": "Add type hints to this function:\n\ndef area(w, h):\n    return w * h",
+        }
+    ],
 ]
 
 
@@ -44,6 +49,9 @@ def test_default_pair_greedy_is_identical_and_speculates(pair):
 
 def test_default_pair_text_and_eos(pair):
     spec, _ = pair
-    out = spec.generate([{"role": "user", "content": "Say OK and nothing else."}], SamplingParams(max_tokens=32, temperature=0.0))
+    out = spec.generate(
+        [{"role": "user", "content": "Say OK and nothing else."}],
+        SamplingParams(max_tokens=32, temperature=0.0),
+    )
     assert "OK" in out.text
     assert out.stats.finish_reason == "stop"  # ended by <|im_end|>, inside max_tokens

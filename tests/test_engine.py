@@ -11,13 +11,18 @@ from understudy.models.runner import Runner
 
 def prompts(n: int, seed: int = 0) -> list[list[int]]:
     g = torch.Generator().manual_seed(seed)
-    return [torch.randint(1, 300, (int(torch.randint(1, 40, (1,), generator=g)),), generator=g).tolist() for _ in range(n)]
+    return [
+        torch.randint(1, 300, (int(torch.randint(1, 40, (1,), generator=g)),), generator=g).tolist()
+        for _ in range(n)
+    ]
 
 
 @pytest.fixture(scope="module")
 def engines(tiny_pair):
     target, draft = tiny_pair
-    spec = Engine.from_pretrained(target=target, draft=draft, method="draft", num_speculative_tokens=8, dtype="float32")
+    spec = Engine.from_pretrained(
+        target=target, draft=draft, method="draft", num_speculative_tokens=8, dtype="float32"
+    )
     plain = Engine.from_pretrained(target=target, method="none", dtype="float32")
     return spec, plain
 
@@ -51,7 +56,9 @@ def test_plain_stats_exact(engines):
 def test_stats_consistent(engines):
     spec, _ = engines
     spec.k = 4
-    out = spec.generate([9, 8, 7, 6], SamplingParams(max_tokens=50, temperature=0.0, ignore_eos=True))
+    out = spec.generate(
+        [9, 8, 7, 6], SamplingParams(max_tokens=50, temperature=0.0, ignore_eos=True)
+    )
     s = out.stats
     assert s.tokens == 50
     assert s.target_passes == s.rounds + 1
@@ -69,7 +76,9 @@ def test_max_tokens_never_exceeded(engines):
     spec, _ = engines
     spec.k = 8
     for n in (1, 2, 3, 9, 10):
-        out = spec.generate([1, 2, 3], SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True))
+        out = spec.generate(
+            [1, 2, 3], SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)
+        )
         assert len(out.token_ids) == n
 
 
@@ -119,7 +128,9 @@ def test_runner_truncate_rolls_back(tiny_pair):
 
 def test_text_prompt_stream_and_stop(tiny_pair):
     target, draft = tiny_pair
-    engine = Engine.from_pretrained(target=target, draft=draft, num_speculative_tokens=3, dtype="float32")
+    engine = Engine.from_pretrained(
+        target=target, draft=draft, num_speculative_tokens=3, dtype="float32"
+    )
     params = SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True)
     events = list(stream := engine.stream("def add(a, b):", params))
     out = stream.output
@@ -129,7 +140,10 @@ def test_text_prompt_stream_and_stop(tiny_pair):
     assert events[0].origin == "target"
     if len(out.text) > 6:
         stop = out.text[3:6]
-        cut = engine.generate("def add(a, b):", SamplingParams(max_tokens=30, temperature=0.0, stop=[stop], ignore_eos=True))
+        cut = engine.generate(
+            "def add(a, b):",
+            SamplingParams(max_tokens=30, temperature=0.0, stop=[stop], ignore_eos=True),
+        )
         assert cut.text == out.text[: out.text.index(stop)]
         assert cut.stats.finish_reason == "stop"
 
@@ -137,7 +151,9 @@ def test_text_prompt_stream_and_stop(tiny_pair):
 def test_chat_prompt(tiny_pair):
     target, draft = tiny_pair
     engine = Engine.from_pretrained(target=target, draft=draft, dtype="float32")
-    out = engine.generate([{"role": "user", "content": "hi"}], SamplingParams(max_tokens=5, temperature=0.0))
+    out = engine.generate(
+        [{"role": "user", "content": "hi"}], SamplingParams(max_tokens=5, temperature=0.0)
+    )
     assert 1 <= len(out.token_ids) <= 5
 
 
@@ -177,7 +193,8 @@ def test_bad_prompts(engines):
 
 
 @pytest.mark.parametrize(
-    "kwargs", [{"temperature": -1}, {"top_p": 0.0}, {"top_p": 1.5}, {"max_tokens": 0}, {"top_k": -2}]
+    "kwargs",
+    [{"temperature": -1}, {"top_p": 0.0}, {"top_p": 1.5}, {"max_tokens": 0}, {"top_k": -2}],
 )
 def test_bad_sampling_params(kwargs):
     with pytest.raises(UnderstudyError):
@@ -188,7 +205,16 @@ def test_incompatible_draft_is_refused(tmp_path, tiny_pair):
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
     target, _ = tiny_pair
-    other = Qwen2ForCausalLM(Qwen2Config(vocab_size=400, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1))
+    other = Qwen2ForCausalLM(
+        Qwen2Config(
+            vocab_size=400,
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=1,
+            num_attention_heads=2,
+            num_key_value_heads=1,
+        )
+    )
     other.save_pretrained(tmp_path / "other")
     with pytest.raises(UnderstudyError, match="vocabulary"):
         Engine.from_pretrained(target=target, draft=str(tmp_path / "other"), dtype="float32")

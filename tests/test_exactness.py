@@ -96,7 +96,9 @@ def test_greedy_identity_default_configuration(tiny_pair):
 def test_non_default_row_budget_is_flagged(tiny_pair):
     target, draft = tiny_pair
     with pytest.warns(UserWarning, match="exact"):
-        engine = Engine.from_pretrained(target=target, draft=draft, dtype="float32", num_speculative_tokens=12)
+        engine = Engine.from_pretrained(
+            target=target, draft=draft, dtype="float32", num_speculative_tokens=12
+        )
     out = engine.generate([1, 2, 3], SamplingParams(max_tokens=4, temperature=0.0))
     assert out.stats.exact is False
 
@@ -122,7 +124,9 @@ def exact_joint(engine: Engine, prompt: list[int], params: SamplingParams, depth
     return law
 
 
-def goodness_of_fit(engine: Engine, prompt: list[int], params: SamplingParams, samples: int) -> float:
+def goodness_of_fit(
+    engine: Engine, prompt: list[int], params: SamplingParams, samples: int
+) -> float:
     law = exact_joint(engine, prompt, params)
     counts = dict.fromkeys(law, 0)
     for seed in range(samples):
@@ -153,8 +157,12 @@ def sampling_engine(tmp_path_factory):
     """A draft that disagrees often (noise 0.5), so rejections and residuals matter."""
     from conftest import make_tiny_pair
 
-    target, draft = make_tiny_pair(tmp_path_factory.mktemp("sampling"), seed=5, noise=0.5, tokenizer=False)
-    return Engine.from_pretrained(target=target, draft=draft, dtype="float32", num_speculative_tokens=2)
+    target, draft = make_tiny_pair(
+        tmp_path_factory.mktemp("sampling"), seed=5, noise=0.5, tokenizer=False
+    )
+    return Engine.from_pretrained(
+        target=target, draft=draft, dtype="float32", num_speculative_tokens=2
+    )
 
 
 WARPS = {
