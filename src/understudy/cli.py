@@ -68,6 +68,9 @@ def generate(
     ] = False,
     dtype: Annotated[str, typer.Option(help="auto | float32 | bfloat16 | float16")] = "auto",
     max_context: Annotated[int, typer.Option(help="Prompt + generation, in tokens.")] = 4096,
+    draft_quantization: Annotated[
+        str, typer.Option(help="auto | none | int8 | int4 | int4-g32 (the draft only).")
+    ] = "auto",
     option: Annotated[
         list[str] | None,
         typer.Option(help="Drafter option key=value (repeatable), e.g. prompt_lookup_max=3."),
@@ -96,6 +99,7 @@ def generate(
             num_speculative_tokens=k,
             dtype=dtype,
             max_context=max_context,
+            draft_quantization=draft_quantization,
             **drafter_options,
         )
         request = [{"role": "user", "content": prompt}] if chat else prompt

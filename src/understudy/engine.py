@@ -97,10 +97,14 @@ class Engine:
         max_context: int = 4096,
         verify_rows: int | None = None,
         device: str | None = None,
+        draft_quantization: str | None = "auto",
         **drafter_options: object,
     ) -> Engine:
         """Load the models and build a ready engine (DESIGN.md section 3). `drafter_options`
-        go to the drafter's `from_models` (e.g. prompt_lookup_max for method="ngram")."""
+        go to the drafter's `from_models` (e.g. prompt_lookup_max for method="ngram").
+        `draft_quantization`: "auto" (int4, group 32, on a CPU; none on CUDA), None, or a
+        scheme of models/quant.py ("int8", "int4", "int4-g32", ...). The draft never decides
+        a token, so quantizing it cannot change the output, only the speed."""
         from understudy.factory import build_engine
 
         return build_engine(
@@ -112,6 +116,7 @@ class Engine:
             max_context=max_context,
             verify_rows=verify_rows,
             device=device,
+            draft_quantization=draft_quantization,
             drafter_options=drafter_options,
         )
 
