@@ -3,6 +3,7 @@
     .venv/bin/python scripts/bench_quantized_draft.py steps    --rounds 15
     .venv/bin/python scripts/bench_quantized_draft.py profile  --steps 20
     .venv/bin/python scripts/bench_quantized_draft.py generate --reps 3 --max-tokens 64 -k 2
+    .venv/bin/python scripts/bench_quantized_draft.py accept   --prompts 10 --max-tokens 96
 
 One process builds the default engine (`Engine.from_pretrained(method="draft",
 num_speculative_tokens=2)`: fp32 on a CPU without native bf16, so the target keeps its flat
@@ -294,9 +295,80 @@ def summarize(runs: list[dict], names: list[str], prompt_ids: list[str]) -> dict
     return table
 
 
+def chain_acceptance(agree: list[bool], k: int) -> tuple[int, int, int]:
+    """Greedy chain drafting replayed on a teacher-forced agreement vector: agree[i] says the
+    draft's argmax after the target's first i output tokens is the target's token i. A round
+    at position j keeps guesses while they agree (a kept guess IS the target's token, so the
+    next guess sees the same prefix as in teacher forcing) and the target adds one token.
+    Position 0 comes from the prefill. Returns (rounds, drafted, accepted)."""
+    rounds = drafted = accepted = 0
+    j, n = 1, len(agree)
+    while j < n:
+        kk = min(k, n - 1 - j)  # the engine drafts at most remaining - 1
+        a = 0
+        while a < kk and agree[j + a]:
+            a += 1
+        rounds, drafted, accepted = rounds + 1, drafted + kk, accepted + a
+        j += a + 1
+    return rounds, drafted, accepted
+
+
+def cmd_accept(args: argparse.Namespace) -> dict:
+    """Teacher-forced agreement of each draft with the target's greedy output, on more
+    prompts than `generate` can afford; chain acceptance for K = 1..4 replayed from it."""
+    from understudy.bench.prompts import shipped_path
+
+    engine, drafts, info = build(args.variants)
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0)
+    per_variant: dict[str, dict[str, list[bool]]] = {n: {} for n in drafts}
+    for category in args.categories:
+        lines = shipped_path(category).read_text().splitlines()[: args.prompts]
+        for obj in map(json.loads, lines):
+            prompt = obj.get("prompt", obj.get("messages"))
+            out = engine.generate(prompt, params)  # == the target's own greedy output
+            seq = torch.tensor(out.prompt_token_ids + out.token_ids)
+            start = len(out.prompt_token_ids) - 1  # row predicting output token 0
+            for name, model in drafts.items():
+                runner = Runner(model, 2048)
+                logits = runner.extend(seq[:-1])  # [n - 1, V], one pass
+                guess = logits[start:].argmax(-1).tolist()
+                per_variant[name][obj["id"]] = [
+                    g == t for g, t in zip(guess, out.token_ids, strict=True)
+                ]
+            print(obj["id"], len(out.token_ids), flush=True)
+    summary: dict = {}
+    for name, agree_by_prompt in per_variant.items():
+        row: dict = {}
+        for category in args.categories:
+            vecs = [v for pid, v in agree_by_prompt.items() if pid.startswith(category)]
+            flat = [a for v in vecs for a in v[1:]]
+            row[category] = {"agreement": sum(flat) / len(flat)}
+            for k in (1, 2, 3, 4):
+                r, d, a = (
+                    sum(x) for x in zip(*(chain_acceptance(v, k) for v in vecs), strict=True)
+                )
+                row[category][f"k{k}"] = {
+                    "acceptance": a / d,
+                    "mean_accepted_length": (a + r) / r,
+                }
+        summary[name] = row
+    print(
+        "| draft | "
+        + " | ".join(f"{c} agreement | {c} K=2 acceptance" for c in args.categories)
+        + " |"
+    )
+    print("|---|" + "---|---|" * len(args.categories))
+    for name, row in summary.items():
+        cells = " | ".join(
+            f"{row[c]['agreement']:.3f} | {row[c]['k2']['acceptance']:.3f}" for c in args.categories
+        )
+        print(f"| {name} | {cells} |")
+    return {"info": info, "summary": summary, "agree": per_variant}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("command", choices=("steps", "profile", "generate"))
+    parser.add_argument("command", choices=("steps", "profile", "generate", "accept"))
     parser.add_argument("--variants", nargs="+", default=["fp32", "bf16", *QUANT])
     parser.add_argument("--context", type=int, default=200)
     parser.add_argument("--rounds", type=int, default=15)
@@ -304,13 +376,19 @@ def main() -> None:
     parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("--prompts", type=int, default=4)
     parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--categories", nargs="+", default=["completion", "editing"])
     parser.add_argument("-k", type=int, default=2)
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0: default)")
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
-    command = {"steps": cmd_steps, "profile": cmd_profile, "generate": cmd_generate}
+    command = {
+        "steps": cmd_steps,
+        "profile": cmd_profile,
+        "generate": cmd_generate,
+        "accept": cmd_accept,
+    }
     result = command[args.command](args)
     result["argv"] = vars(args) | {"out": str(args.out)}
     if args.out:

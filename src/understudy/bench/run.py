@@ -1,0 +1,389 @@
+"""`understudy bench`: every method on the same prompts, interleaved, one target in memory.
+
+Order of work: load the target (and draft) once; build one engine per method around them
+(plus, with compare="hf", transformers' generate() on the same weight tensors); warm every
+engine up on a few tokens; then for each repeat, for each prompt, run every method, the
+order rotating from prompt to prompt, so slow drift of a shared machine (other jobs, heat)
+falls on all methods alike. results.json is rewritten after every run, and on Ctrl-C the
+results so far are summarised, tabled and plotted.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import shlex
+import time
+import warnings
+from dataclasses import asdict, dataclass, field
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+from understudy.bench.engines import BASELINE, assemble_engine, load_models, parse_methods
+from understudy.bench.prompts import (
+    DEFAULT_PER_CATEGORY,
+    SHIPPED_SETS,
+    BenchPrompt,
+    categories,
+    load_prompts,
+)
+from understudy.bench.report import NOTES, markdown_table, rich_table
+from understudy.bench.summary import identity_flags, summarize
+from understudy.config import SamplingParams, UnderstudyError, parse_num_speculative_tokens
+
+SCHEMA = "understudy-bench/1"
+WARMUP_TOKENS = 4
+COMPARE_CHOICES = ("hf",)
+
+
+@dataclass
+class BenchConfig:
+    prompts: list[str] | None = None  # .jsonl paths or shipped set names; None = all four
+    methods: str = "none,draft"
+    k: str = "auto"
+    max_tokens: int = 96
+    temperature: float = 0.0
+    repeats: int = 1
+    compare: str | None = None
+    per_category: int = DEFAULT_PER_CATEGORY  # 0 = every prompt
+    out: Path = field(default_factory=lambda: Path("bench-results"))
+    target: str | None = None
+    draft: str | None = None
+    dtype: str = "auto"
+    max_context: int = 4096
+    seed: int = 0
+    warmup: bool = True
+    resume: bool = False  # keep the finished prompts of out/results.json from the same config
+
+    def comparable(self) -> dict[str, Any]:
+        """The settings that decide the measurements (not where they go or how they resume)."""
+        d = asdict(self)
+        for key in ("out", "warmup", "resume"):
+            d.pop(key)
+        return d
+
+    def command(self) -> str:
+        """The `understudy bench` command line that reproduces this configuration."""
+        default = BenchConfig()
+        parts = ["understudy", "bench"]
+        for spec in self.prompts or []:
+            parts += ["--prompts", spec]
+        for name in ("methods", "k", "max_tokens", "temperature", "repeats", "compare"):
+            value = getattr(self, name)
+            if value != getattr(default, name) and value is not None:
+                parts += [f"--{name.replace('_', '-')}", str(value)]
+        if self.per_category != default.per_category:
+            parts += ["--per-category", str(self.per_category)]
+        if Path(self.out) != default.out:
+            parts += ["--out", str(self.out)]
+        for name in ("target", "draft"):
+            if getattr(self, name):
+                parts += [f"--{name}", getattr(self, name)]
+        if self.dtype != default.dtype:
+            parts += ["--dtype", self.dtype]
+        if self.max_context != default.max_context:
+            parts += ["--max-context", str(self.max_context)]
+        if self.seed != default.seed:
+            parts += ["--seed", str(self.seed)]
+        return shlex.join(parts)
+
+
+def _environment(target_model: Any) -> dict[str, Any]:
+    import torch
+    import transformers
+
+    from understudy import __version__
+    from understudy.models.loader import cpu_has_native_bf16
+
+    cpu = platform.processor()
+    try:
+        with open("/proc/cpuinfo") as f:
+            cpu = next(
+                (ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")), cpu
+            )
+    except OSError:
+        pass
+    return {
+        "understudy": __version__,
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "python": platform.python_version(),
+        "cpu": cpu,
+        "cpu_count": os.cpu_count(),
+        "torch_threads": torch.get_num_threads(),
+        "native_bf16": cpu_has_native_bf16(),
+        "device": str(target_model.model.device),
+        "dtype": str(target_model.model.dtype).removeprefix("torch."),
+        "cuda": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
+    }
+
+
+def _loadavg() -> float | None:
+    try:
+        return os.getloadavg()[0]
+    except OSError:
+        return None
+
+
+def _write_json(path: Path, payload: dict[str, Any]) -> None:
+    tmp = path.with_suffix(".json.tmp")
+    tmp.write_text(json.dumps(payload, indent=1))
+    os.replace(tmp, path)
+
+
+class Bench:
+    """One benchmark run; `run()` returns the results dict (also written to out/results.json)."""
+
+    def __init__(self, config: BenchConfig, console: Any | None = None, progress: bool = True):
+        from rich.console import Console
+
+        self.cfg = config
+        self.console = console or Console(stderr=True)
+        self.progress = progress
+        self.results: dict[str, Any] = {}
+
+    # -- set-up ------------------------------------------------------------------------------
+
+    def _validate(self) -> None:
+        cfg = self.cfg
+        if cfg.repeats < 1:
+            raise UnderstudyError(f"repeats must be >= 1, got {cfg.repeats}")
+        if cfg.compare is not None and cfg.compare not in COMPARE_CHOICES:
+            raise UnderstudyError(
+                f"--compare takes {', '.join(COMPARE_CHOICES)}, got {cfg.compare!r}"
+            )
+        self.params = SamplingParams(
+            max_tokens=cfg.max_tokens,
+            temperature=cfg.temperature,
+            seed=None if cfg.temperature == 0 else cfg.seed,
+        )
+        self.prompts = load_prompts(cfg.prompts, cfg.per_category)
+        self.categories = categories(self.prompts)
+        self.specs = parse_methods(cfg.methods, parse_num_speculative_tokens(cfg.k))
+
+    def _build(self) -> None:
+        cfg = self.cfg
+        needs_draft = any(s.needs_draft_model for s in self.specs)
+        wants_hf_draft = cfg.compare == "hf" and (cfg.draft is not None or cfg.target is None)
+        with self.console.status("loading models..."):
+            self.target_model, self.draft_model = load_models(
+                cfg.target, cfg.draft, cfg.dtype, needs_draft or wants_hf_draft
+            )
+        self.engines = {}
+        for spec in self.specs:
+            with self.console.status(f"building engine {spec.label}..."), warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                self.engines[spec.label] = assemble_engine(
+                    spec, self.target_model, self.draft_model, cfg.max_context
+                )
+        self.peer = None
+        if cfg.compare == "hf":
+            from understudy.bench.hf_peer import HFPeer
+
+            with self.console.status("wrapping the same weights for transformers.generate..."):
+                self.peer = HFPeer(self.target_model, self.draft_model)
+        self.labels = [s.label for s in self.specs] + (self.peer.methods if self.peer else [])
+        baseline = self.engines[BASELINE]
+        self.prompt_ids = {p.id: baseline.encode(p.prompt) for p in self.prompts}
+
+    def _describe(self) -> dict[str, Any]:
+        engines = {
+            label: {
+                "method": e.method,
+                "k": e.k,
+                "verify_rows": e.runner.rows,
+                "exact": e.exact,
+                "cost_ratio": e.cost_ratio if e.proposer is not None else None,
+                "options": next(s.options for s in self.specs if s.label == label),
+            }
+            for label, e in self.engines.items()
+        }
+        if self.peer is not None:
+            engines.update(self.peer.describe())
+        return engines
+
+    # -- running -----------------------------------------------------------------------------
+
+    def _one(self, label: str, p: BenchPrompt, ids: list[int], params: SamplingParams):
+        if label in self.engines:
+            out = self.engines[label].generate(ids, params)
+            return out.token_ids, out.text, out.stats.to_dict()
+        assert self.peer is not None
+        result = self.peer.generate(label, ids, params)
+        tok = self.target_model.tokenizer
+        text = tok.decode(result.token_ids, skip_special_tokens=True) if tok is not None else ""
+        return result.token_ids, text, result.stats(label)
+
+    def _warmup(self) -> None:
+        ids = self.prompt_ids[self.prompts[0].id][:8]
+        params = SamplingParams(max_tokens=WARMUP_TOKENS, temperature=0.0, ignore_eos=True)
+        with self.console.status("warming up every method..."):
+            for label in self.labels:
+                self._one(label, self.prompts[0], ids, params)
+
+    def _finalize(self, interrupted: bool, started: float) -> dict[str, Any]:
+        res = self.results
+        runs = res["runs"]
+        identity_flags(runs, BASELINE, self.params.greedy)
+        res["summary"] = summarize(runs, self.labels, self.categories, BASELINE)
+        res["interrupted"] = interrupted
+        res["complete"] = not interrupted and len(runs) == res["planned_runs"]
+        res["finished_at"] = datetime.now(timezone.utc).isoformat(timespec="seconds")
+        res["elapsed_s"] = time.perf_counter() - started
+        res["loadavg_end"] = _loadavg()
+        return res
+
+    def _title(self) -> str:
+        cfg = self.cfg
+        env = self.results.get("environment", {})
+        return (
+            f"understudy bench: {self.target_model.name}, {env.get('dtype', '')}, "
+            f"{cfg.max_tokens} tokens, T={cfg.temperature:g}, {len(self.prompts)} prompts"
+            + (f", {cfg.repeats} repeats" if cfg.repeats > 1 else "")
+            + (" (INTERRUPTED)" if self.results.get("interrupted") else "")
+        )
+
+    def _outputs(self) -> None:
+        out = Path(self.cfg.out)
+        res = self.results
+        summary = res["summary"]
+        res["plots"] = []
+        try:
+            from understudy.bench.plots import write_plots
+
+            paths = write_plots(summary, self.labels, self.categories, BASELINE, out, self._title())
+            res["plots"] = [p.name for p in paths]
+        except ImportError:
+            self.console.print("[yellow]matplotlib is not installed: no plots[/yellow]")
+        _write_json(out / "results.json", res)
+        md = markdown_table(summary, self.labels, self.categories)
+        env = res["environment"]
+        machine = (
+            f"{env['cpu']}, {env['cpu_count']} cores, torch {env['torch']}, "
+            f"transformers {env['transformers']}; load average {res['loadavg_start']:.1f} at "
+            f"start, {res['loadavg_end']:.1f} at the end"
+            if res.get("loadavg_start") is not None and res.get("loadavg_end") is not None
+            else f"{env['cpu']}, {env['cpu_count']} cores"
+        )
+        (out / "results.md").write_text(
+            f"{self._title()}\n\n`{res['command']}`\n\n{md}\n\n{NOTES}\n\nMachine: {machine}.\n",
+            encoding="utf-8",
+        )
+
+    def run(self) -> dict[str, Any]:
+        from tqdm import tqdm
+
+        cfg = self.cfg
+        self._validate()
+        out = Path(cfg.out)
+        out.mkdir(parents=True, exist_ok=True)
+        self._build()
+        res = self.results = {
+            "schema": SCHEMA,
+            "command": cfg.command(),
+            "config": {**asdict(cfg), "out": str(cfg.out)},
+            "environment": _environment(self.target_model),
+            "baseline": BASELINE,
+            "labels": self.labels,
+            "categories": self.categories,
+            "engines": self._describe(),
+            "prompts": [
+                {
+                    "id": p.id,
+                    "category": p.category,
+                    "source": p.source,
+                    "prompt_tokens": len(self.prompt_ids[p.id]),
+                }
+                for p in self.prompts
+            ],
+            "started_at": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+            "loadavg_start": _loadavg(),
+            "planned_runs": cfg.repeats * len(self.prompts) * len(self.labels),
+            "runs": [],
+        }
+        done = self._resume(out / "results.json") if cfg.resume else set()
+        started = time.perf_counter()
+        interrupted = False
+        bar = tqdm(total=res["planned_runs"], unit="run", disable=not self.progress)
+        bar.update(len(res["runs"]))
+        try:
+            if cfg.warmup:
+                self._warmup()
+            for rep in range(cfg.repeats):
+                for i, p in enumerate(self.prompts):
+                    if (rep, p.id) in done:
+                        continue
+                    shift = (i + rep) % len(self.labels)
+                    order = self.labels[shift:] + self.labels[:shift]
+                    for slot, label in enumerate(order):
+                        bar.set_description(f"r{rep} {p.id} {label}")
+                        token_ids, text, stats = self._one(
+                            label, p, self.prompt_ids[p.id], self.params
+                        )
+                        res["runs"].append(
+                            {
+                                "label": label,
+                                "prompt_id": p.id,
+                                "category": p.category,
+                                "repeat": rep,
+                                "slot": slot,
+                                "loadavg": _loadavg(),
+                                "token_ids": token_ids,
+                                "text": text,
+                                "stats": stats,
+                            }
+                        )
+                        bar.update(1)
+                        _write_json(out / "results.json", res)
+        except KeyboardInterrupt:
+            interrupted = True
+            self.console.print("[yellow]interrupted: keeping the runs so far[/yellow]")
+        finally:
+            bar.close()
+            self._finalize(interrupted, started)
+            self._outputs()
+        return res
+
+    def _resume(self, path: Path) -> set[tuple[int, str]]:
+        """Take over the runs of every (repeat, prompt) that an earlier, interrupted run of the
+        same configuration finished for every method; those are not run again."""
+        if not path.exists():
+            return set()
+        try:
+            old = json.loads(path.read_text())
+        except (OSError, json.JSONDecodeError):
+            return set()
+        old_config = {k: v for k, v in old.get("config", {}).items() if k in self.cfg.comparable()}
+        if old_config != self.cfg.comparable() or old.get("labels") != self.labels:
+            self.console.print(
+                f"[yellow]{path} has another configuration: starting afresh[/yellow]"
+            )
+            return set()
+        groups: dict[tuple[int, str], list[dict[str, Any]]] = {}
+        for run in old.get("runs", []):
+            groups.setdefault((run["repeat"], run["prompt_id"]), []).append(run)
+        prompt_ids = {p.id for p in self.prompts}
+        done = {
+            key
+            for key, runs in groups.items()
+            if key[1] in prompt_ids and {r["label"] for r in runs} == set(self.labels)
+        }
+        self.results["runs"] = [r for key in sorted(done) for r in groups[key]]
+        self.results["resumed_runs"] = len(self.results["runs"])
+        self.console.print(f"resuming: {len(done)} finished prompt(s) kept from {path}")
+        return done
+
+    def table(self) -> Any:
+        return rich_table(self.results["summary"], self.labels, self.categories, self._title())
+
+
+def run_bench(config: BenchConfig, console: Any | None = None, progress: bool = True) -> Bench:
+    """Run the benchmark described by `config`; the returned Bench holds `.results`."""
+    bench = Bench(config, console, progress)
+    bench.run()
+    return bench
+
+
+__all__ = ["SHIPPED_SETS", "BenchConfig", "Bench", "run_bench", "DEFAULT_PER_CATEGORY"]
