@@ -24,6 +24,9 @@ test: setup
 	$(PY) -m ruff check src tests
 	$(PY) -m pytest -q -rs
 
+bench: setup
+	$(PY) -m understudy.cli bench --compare hf
+
 lint: setup
 	$(PY) -m ruff check src tests
 	$(PY) -m ruff format --check src tests

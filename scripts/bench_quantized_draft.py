@@ -5,9 +5,10 @@
     .venv/bin/python scripts/bench_quantized_draft.py generate --reps 3 --max-tokens 64 -k 2
     .venv/bin/python scripts/bench_quantized_draft.py accept   --prompts 10 --max-tokens 96
 
-One process builds the default engine (`Engine.from_pretrained(method="draft",
-num_speculative_tokens=2)`: fp32 on a CPU without native bf16, so the target keeps its flat
-path), then makes the other drafts from its fp32 draft (bf16: the cached bf16 conversion;
+One process builds the default engine with an unquantized draft
+(`Engine.from_pretrained(method="draft", num_speculative_tokens=2, draft_quantization=None)`:
+fp32 on a CPU without native bf16, so the target keeps its flat path), then makes the other
+drafts from its fp32 draft (bf16: the cached bf16 conversion;
 int8 / int4: `load_or_quantize` on a copy that shares the fp32 parameters, packed weights
 cached next to the converted weights). Every measurement interleaves the variants (round
 robin, the order rotated each round) and reports medians, because the machine is shared.
@@ -49,7 +50,9 @@ def converted_dir(spec: str, dtype: str) -> Path:
 def build(variants: list[str]) -> tuple[Engine, dict[str, torch.nn.Module], dict]:
     info: dict = {}
     t0 = time.perf_counter()
-    engine = Engine.from_pretrained(method="draft", num_speculative_tokens=2)
+    engine = Engine.from_pretrained(
+        method="draft", num_speculative_tokens=2, draft_quantization=None
+    )
     info["engine_load_s"] = time.perf_counter() - t0
     info["target_dtype"] = str(engine.target.model.dtype)
     info["verify_rows"] = engine.runner.rows
@@ -220,10 +223,13 @@ def cmd_generate(args: argparse.Namespace) -> dict:
     for rep in range(args.reps):
         for pi, (pid, prompt) in enumerate(prompts):
             for name in rotated(names, rep * len(prompts) + pi):
+                cpu0 = time.process_time()
                 out = engines[name].generate(prompt, params)
+                cpu_s = time.process_time() - cpu0
                 s = out.stats
                 runs.append(
                     {
+                        "cpu_s": cpu_s,
                         "rep": rep,
                         "prompt": pid,
                         "variant": name,
@@ -239,6 +245,9 @@ def cmd_generate(args: argparse.Namespace) -> dict:
                     }
                 )
                 loads.append(load_avg())
+                if args.out:  # partial results survive an interrupted run
+                    with args.out.with_suffix(".runs.jsonl").open("a") as f:
+                        f.write(json.dumps(runs[-1]) + "\n")
                 print(
                     f"rep {rep} {pid} {name:9s} {s.tokens} tok {s.wall_s:6.2f} s "
                     f"acc {s.accepted}/{s.drafted} load {loads[-1]:.1f}",
@@ -269,8 +278,12 @@ def summarize(runs: list[dict], names: list[str], prompt_ids: list[str]) -> dict
             sum(r[k] for r in mine) for k in ("drafted", "accepted", "rounds")
         )
         draft_s = sum(r["draft_s"] for r in mine)
+        cpu = sum(
+            statistics.median(r["cpu_s"] for r in mine if r["prompt"] == p) for p in prompt_ids
+        )
         table[name] = {
             "tokens_per_s": tokens / wall,
+            "tokens_per_cpu_s": tokens / cpu,
             "acceptance_rate": accepted / drafted if drafted else None,
             "mean_accepted_length": (accepted + rounds) / rounds if rounds else 1.0,
             "draft_ms_per_round": 1e3 * draft_s / rounds if rounds else 0.0,
@@ -280,15 +293,19 @@ def summarize(runs: list[dict], names: list[str], prompt_ids: list[str]) -> dict
             ),
         }
     base = table["none"]["tokens_per_s"]
+    cpu_base = table["none"]["tokens_per_cpu_s"]
     print(
-        "| draft | tok/s | speedup | acceptance | mean accepted length | draft ms/round | identical |"
+        "| draft | tok/s | speedup | tok per CPU-s | CPU speedup | acceptance "
+        "| mean accepted length | draft ms/round | identical |"
     )
-    print("|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|")
     for name, row in table.items():
         row["speedup"] = row["tokens_per_s"] / base
+        row["cpu_speedup"] = row["tokens_per_cpu_s"] / cpu_base
         acc = "-" if row["acceptance_rate"] is None else f"{row['acceptance_rate']:.3f}"
         print(
-            f"| {name} | {row['tokens_per_s']:.2f} | {row['speedup']:.2f}x | {acc} | "
+            f"| {name} | {row['tokens_per_s']:.2f} | {row['speedup']:.2f}x | "
+            f"{row['tokens_per_cpu_s']:.2f} | {row['cpu_speedup']:.2f}x | {acc} | "
             f"{row['mean_accepted_length']:.2f} | {row['draft_ms_per_round']:.0f} | "
             f"{row['identical_to_plain']} |"
         )

@@ -14,6 +14,8 @@ from understudy.bench.prompts import SHIPPED_SETS, load_prompt_file, load_prompt
 from understudy.bench.summary import implied_alpha
 from understudy.cli_bench import INTERRUPTED_EXIT_CODE, bench
 from understudy.config import UnderstudyError
+from understudy.drafters import DRAFTERS
+from understudy.factory import DEFAULT_CPU_DRAFT_QUANTIZATION
 from understudy.theory import expected_tokens_per_round
 
 TWO_PROMPTS = [
@@ -53,10 +55,11 @@ def invoke(tiny_pair, prompt_file: Path, out: Path, *extra: str):
 
 def test_bench_tiny_end_to_end(tiny_pair, prompt_file, tmp_path):
     out = tmp_path / "results"
-    result = invoke(tiny_pair, prompt_file, out, "--methods", "draft,draft:k=2", "--compare", "hf")
+    methods = [*DRAFTERS, "draft:k=2"]  # every registered method, and one with a fixed K
+    result = invoke(tiny_pair, prompt_file, out, "--methods", ",".join(methods), "--compare", "hf")
     assert result.exit_code == 0, result.output
     res = json.loads((out / "results.json").read_text())
-    labels = ["none", "draft", "draft:k=2", "hf-plain", "hf-assisted", "hf-lookup"]
+    labels = ["none", *methods, "hf-plain", "hf-assisted", "hf-lookup"]
     assert res["schema"] == "understudy-bench/1"
     assert res["labels"] == labels
     assert res["categories"] == ["completion", "editing"]
@@ -78,6 +81,7 @@ def test_bench_tiny_end_to_end(tiny_pair, prompt_file, tmp_path):
     assert 1 <= len(fixed["per_position_acceptance"]) <= 2
     assert fixed["c"] > 0 and fixed["alpha_implied"] is not None
     assert res["engines"]["draft:k=2"]["k"] == 2
+    assert res["engines"]["draft"]["draft_quantization"] == DEFAULT_CPU_DRAFT_QUANTIZATION
     for name in ("speedup.png", "acceptance_per_position.png", "theory.png"):
         assert (out / name).stat().st_size > 1000
     assert res["plots"] == ["speedup.png", "acceptance_per_position.png", "theory.png"]

@@ -101,7 +101,11 @@ def tiny_draft(tiny_pair):
     """A fresh float32 tiny draft model (hidden 64, intermediate 128, vocab 320)."""
     target, draft = tiny_pair
     return Engine.from_pretrained(
-        target=target, draft=draft, dtype="float32", num_speculative_tokens=2
+        target=target,
+        draft=draft,
+        dtype="float32",
+        num_speculative_tokens=2,
+        draft_quantization=None,
     )
 
 
@@ -134,13 +138,21 @@ def draft_logits(engine: Engine, prompt: list[int]) -> torch.Tensor:
 def test_cache_round_trip(tiny_pair, tmp_path, scheme):
     target, draft = tiny_pair
     first = Engine.from_pretrained(
-        target=target, draft=draft, dtype="float32", num_speculative_tokens=2
+        target=target,
+        draft=draft,
+        dtype="float32",
+        num_speculative_tokens=2,
+        draft_quantization=None,
     )
     load_or_quantize(first.proposer.runner.model, tmp_path, scheme)
     assert first.proposer.runner.model.quantization.from_cache is False
     assert len(list(tmp_path.glob("quant-*.safetensors"))) == 1
     second = Engine.from_pretrained(
-        target=target, draft=draft, dtype="float32", num_speculative_tokens=2
+        target=target,
+        draft=draft,
+        dtype="float32",
+        num_speculative_tokens=2,
+        draft_quantization=None,
     )
     load_or_quantize(second.proposer.runner.model, tmp_path, scheme)
     info = second.proposer.runner.model.quantization
@@ -152,19 +164,31 @@ def test_cache_round_trip(tiny_pair, tmp_path, scheme):
 def test_stale_cache_is_replaced(tiny_pair, tmp_path):
     target, draft = tiny_pair
     engine = Engine.from_pretrained(
-        target=target, draft=draft, dtype="float32", num_speculative_tokens=2
+        target=target,
+        draft=draft,
+        dtype="float32",
+        num_speculative_tokens=2,
+        draft_quantization=None,
     )
     load_or_quantize(engine.proposer.runner.model, tmp_path, "int8")
     (cached,) = tmp_path.glob("quant-*.safetensors")
     cached.write_bytes(b"not a safetensors file")
     fresh = Engine.from_pretrained(
-        target=target, draft=draft, dtype="float32", num_speculative_tokens=2
+        target=target,
+        draft=draft,
+        dtype="float32",
+        num_speculative_tokens=2,
+        draft_quantization=None,
     )
     load_or_quantize(fresh.proposer.runner.model, tmp_path, "int8")
     assert fresh.proposer.runner.model.quantization.from_cache is False
     assert isinstance(fresh.proposer.runner.model.lm_head, Int8Linear)
     again = Engine.from_pretrained(
-        target=target, draft=draft, dtype="float32", num_speculative_tokens=2
+        target=target,
+        draft=draft,
+        dtype="float32",
+        num_speculative_tokens=2,
+        draft_quantization=None,
     ).proposer.runner.model
     load_or_quantize(again, tmp_path, "int8")  # the rewritten file is good again
     assert again.quantization.from_cache is True
@@ -178,6 +202,38 @@ def test_default_cache_dir_is_keyed_by_the_weights(tiny_pair, tmp_path, monkeypa
         load_or_quantize(model, None, "int8")
         assert model.quantization.from_cache is expect_cached
     assert len(list((tmp_path / "quantized").iterdir())) == 2  # one per distinct model
+
+
+def test_quantizing_twice(tiny_draft, tmp_path):
+    """A second quantization is refused (error compounds); load_or_quantize with the scheme the
+    model already has is a no-op and writes no file of its own."""
+    model = tiny_draft.proposer.runner.model
+    quantize_model(model, "int8")
+    with pytest.raises(UnderstudyError, match="already quantized"):
+        quantize_model(model, "int4-g32")
+    assert load_or_quantize(model, tmp_path, "int8") is model
+    assert not list(tmp_path.iterdir())
+    with pytest.raises(UnderstudyError, match="already quantized"):
+        load_or_quantize(model, tmp_path, "int4-g32")
+
+
+def test_from_pretrained_quantizes_the_draft(tiny_pair, tmp_path, monkeypatch):
+    """The factory's path: draft_quantization="auto" quantizes the draft on a CPU (the target
+    never), caching the packing; None keeps it dense."""
+    from understudy.factory import DEFAULT_CPU_DRAFT_QUANTIZATION
+
+    monkeypatch.setenv("UNDERSTUDY_CACHE", str(tmp_path))
+    target, draft = tiny_pair
+    engine = Engine.from_pretrained(target=target, draft=draft, dtype="float32")
+    model = engine.proposer.runner.model
+    assert model.quantization.scheme == parse_scheme(DEFAULT_CPU_DRAFT_QUANTIZATION).name
+    assert not any(isinstance(m, (Int8Linear, Int4Linear)) for m in engine.target.model.modules())
+    again = Engine.from_pretrained(target=target, draft=draft, dtype="float32")
+    assert again.proposer.runner.model.quantization.from_cache is True
+    dense = Engine.from_pretrained(
+        target=target, draft=draft, dtype="float32", draft_quantization=None
+    )
+    assert not hasattr(dense.proposer.runner.model, "quantization")
 
 
 def test_int8_needs_in_features_multiple_of_32():
@@ -204,7 +260,11 @@ def plain(tiny_pair):
 def test_greedy_with_quantized_draft_equals_plain(tiny_pair, plain, scheme, k):
     target, draft = tiny_pair
     engine = Engine.from_pretrained(
-        target=target, draft=draft, dtype="float32", num_speculative_tokens=k
+        target=target,
+        draft=draft,
+        dtype="float32",
+        num_speculative_tokens=k,
+        draft_quantization=None,
     )
     quantize_model(engine.proposer.runner.model, scheme)
     params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
@@ -250,7 +310,11 @@ def plain_samples(plain):
 def int4_engine(tiny_pair):
     target, draft = tiny_pair
     engine = Engine.from_pretrained(
-        target=target, draft=draft, dtype="float32", num_speculative_tokens=2
+        target=target,
+        draft=draft,
+        dtype="float32",
+        num_speculative_tokens=2,
+        draft_quantization=None,
     )
     quantize_model(engine.proposer.runner.model, "int4-g32")
     return engine

@@ -1,14 +1,16 @@
 """Method specs for the benchmark, and engines that share ONE loaded target (and draft).
 
 A method spec is a registered method name, optionally with options after colons:
-``draft``, ``draft:k=2``, ``ngram:prompt_lookup_max=4``. ``k`` sets num_speculative_tokens
-for that entry (default: the bench's --k); every other key goes to the drafter, as
-`Engine.from_pretrained(**drafter_options)` would pass it. The spec string is the label
-the results use, so ``draft:k=2,draft:k=auto`` compares two K side by side.
+``draft``, ``draft:k=2``, ``draft:draft_quantization=none``, ``ngram:prompt_lookup_max=4``.
+``k`` sets num_speculative_tokens for that entry (default: the bench's --k);
+``draft_quantization`` is `Engine.from_pretrained`'s (default "auto"); every other key goes
+to the drafter, as `Engine.from_pretrained(**drafter_options)` passes it. The spec string is
+the label the results use, so ``draft:k=2,draft:k=auto`` compares two K side by side.
 
-Every engine is built around the same `LoadedModel`s, so a run with five methods holds one
-copy of the target's weights (and one of the draft's), not five. The engines' runners share
-each model's KV cache: they are used one at a time, and every request starts from prefill.
+Every engine is built around the same `LoadedModel`s (`ModelPool`), so a run with five
+methods holds one copy of the target's weights, not five, and one copy of the draft per
+quantization scheme in use (quantizing is done in place). The engines' runners share each
+model's KV cache: they are used one at a time, and every request starts from prefill.
 """
 
 from __future__ import annotations
@@ -19,8 +21,14 @@ from dataclasses import dataclass, field
 from understudy.config import UnderstudyError, parse_num_speculative_tokens
 from understudy.drafters import DRAFTERS
 from understudy.engine import Engine
-from understudy.factory import check_compatible, default_verify_rows, measure_cost_ratio
+from understudy.factory import (
+    check_compatible,
+    default_verify_rows,
+    measure_cost_ratio,
+    resolve_draft_quantization,
+)
 from understudy.models.loader import LoadedModel, load_model
+from understudy.models.quant import load_or_quantize
 from understudy.models.registry import DEFAULT_DRAFT, DEFAULT_TARGET
 
 BASELINE = "none"
@@ -32,6 +40,7 @@ class MethodSpec:
     method: str
     k: int | str
     options: dict[str, object] = field(default_factory=dict)
+    draft_quantization: str | None = "auto"
 
     @property
     def needs_draft_model(self) -> bool:
@@ -70,55 +79,64 @@ def parse_methods(text: str, default_k: int | str) -> list[MethodSpec]:
             raise UnderstudyError(f"unknown method {name!r}: choose from {', '.join(methods)}")
         options: dict[str, object] = {}
         k: int | str = default_k
+        quantization: str | None = "auto"
         for pair in pairs:
             key, sep, raw = pair.partition("=")
             if not sep or not key:
                 raise UnderstudyError(f"method option {pair!r} in {item!r} is not key=value")
             if key == "k":
                 k = parse_num_speculative_tokens(raw)
+            elif key == "draft_quantization":
+                quantization = None if raw.lower() == "none" else raw
             else:
                 options[key] = _value(raw)
         if any(s.label == item for s in specs):
             raise UnderstudyError(f"method {item!r} is listed twice")
         if name == BASELINE and (pairs or any(s.method == BASELINE for s in specs)):
             raise UnderstudyError("the baseline 'none' takes no options and appears once")
-        specs.append(MethodSpec(item, name, 0 if name == BASELINE else k, options))
+        specs.append(MethodSpec(item, name, 0 if name == BASELINE else k, options, quantization))
     if not any(s.method == BASELINE for s in specs):
         specs.insert(0, MethodSpec(BASELINE, BASELINE, 0))
     specs.sort(key=lambda s: s.method != BASELINE)  # baseline first, the rest in given order
     return specs
 
 
-def load_models(
-    target: str | None,
-    draft: str | None,
-    dtype: str,
-    need_draft: bool,
-    device: str | None = None,
-) -> tuple[LoadedModel, LoadedModel | None]:
-    """Load the target once, and the draft once if any method (or the HF peer) needs it."""
-    target_model = load_model(target or DEFAULT_TARGET, dtype, device)
-    if not need_draft:
-        return target_model, None
-    draft_spec = draft or (DEFAULT_DRAFT if target in (None, DEFAULT_TARGET) else None)
-    if draft_spec is None:
-        raise UnderstudyError("these methods need a draft model: pass --draft")
-    draft_model = load_model(draft_spec, dtype, device)
-    check_compatible(target_model, draft_model)
-    return target_model, draft_model
+class ModelPool:
+    """The target, loaded once, and the draft: one copy per quantization scheme (None =
+    the dense draft, which transformers' assisted generation uses), loaded when first asked."""
+
+    def __init__(
+        self, target: str | None, draft: str | None, dtype: str, device: str | None = None
+    ) -> None:
+        self.dtype, self.device = dtype, device
+        self.target = load_model(target or DEFAULT_TARGET, dtype, device)
+        self.draft_spec = draft or (DEFAULT_DRAFT if target in (None, DEFAULT_TARGET) else None)
+        self._drafts: dict[str | None, LoadedModel] = {}
+
+    def scheme(self, requested: str | None) -> str | None:
+        # the scheme depends only on the device, which the draft shares with the target
+        return resolve_draft_quantization(requested, self.target)
+
+    def draft(self, requested: str | None = None) -> LoadedModel:
+        scheme = self.scheme(requested)
+        if scheme not in self._drafts:
+            if self.draft_spec is None:
+                raise UnderstudyError("these methods need a draft model: pass --draft")
+            model = load_model(self.draft_spec, self.dtype, self.device)
+            check_compatible(self.target, model)
+            if scheme is not None:
+                load_or_quantize(model.model, None, scheme)
+            self._drafts[scheme] = model
+        return self._drafts[scheme]
 
 
-def assemble_engine(
-    spec: MethodSpec,
-    target_model: LoadedModel,
-    draft_model: LoadedModel | None,
-    max_context: int,
-) -> Engine:
-    """What `factory.build_engine` does after loading, around already-loaded models.
+def assemble_engine(spec: MethodSpec, pool: ModelPool, max_context: int) -> Engine:
+    """What `factory.build_engine` does, around the pool's already-loaded models.
 
     The baseline always uses the hardware's default row budget (the fastest plain decoding,
     and the pass shape that speculative methods at their default K share bit for bit).
     """
+    target_model = pool.target
     model = target_model.model
     default_rows = default_verify_rows(model.dtype, model.device)
     if spec.method == BASELINE:
@@ -133,8 +151,7 @@ def assemble_engine(
             stacklevel=2,
         )
     drafter = DRAFTERS[spec.method]
-    if getattr(drafter, "needs_draft_model", False) and draft_model is None:
-        raise UnderstudyError(f"method {spec.method!r} needs a draft model: pass --draft")
+    draft_model = pool.draft(spec.draft_quantization) if spec.needs_draft_model else None
     proposer = drafter.from_models(target_model, draft_model, max_context, **spec.options)
     engine = Engine(target_model, proposer, spec.method, k, max_context, rows, exact)
     if k == "auto":

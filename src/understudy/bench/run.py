@@ -21,7 +21,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
-from understudy.bench.engines import BASELINE, assemble_engine, load_models, parse_methods
+from understudy.bench.engines import BASELINE, ModelPool, assemble_engine, parse_methods
 from understudy.bench.prompts import (
     DEFAULT_PER_CATEGORY,
     SHIPPED_SETS,
@@ -165,25 +165,22 @@ class Bench:
 
     def _build(self) -> None:
         cfg = self.cfg
-        needs_draft = any(s.needs_draft_model for s in self.specs)
-        wants_hf_draft = cfg.compare == "hf" and (cfg.draft is not None or cfg.target is None)
         with self.console.status("loading models..."):
-            self.target_model, self.draft_model = load_models(
-                cfg.target, cfg.draft, cfg.dtype, needs_draft or wants_hf_draft
-            )
+            self.pool = ModelPool(cfg.target, cfg.draft, cfg.dtype)
+        self.target_model = self.pool.target
         self.engines = {}
         for spec in self.specs:
             with self.console.status(f"building engine {spec.label}..."), warnings.catch_warnings():
                 warnings.simplefilter("ignore")
-                self.engines[spec.label] = assemble_engine(
-                    spec, self.target_model, self.draft_model, cfg.max_context
-                )
+                self.engines[spec.label] = assemble_engine(spec, self.pool, cfg.max_context)
         self.peer = None
         if cfg.compare == "hf":
             from understudy.bench.hf_peer import HFPeer
 
+            # transformers' assistant is the dense draft (its generate() runs plain nn.Linear)
+            assistant = self.pool.draft(None) if self.pool.draft_spec is not None else None
             with self.console.status("wrapping the same weights for transformers.generate..."):
-                self.peer = HFPeer(self.target_model, self.draft_model)
+                self.peer = HFPeer(self.target_model, assistant)
         self.labels = [s.label for s in self.specs] + (self.peer.methods if self.peer else [])
         baseline = self.engines[BASELINE]
         self.prompt_ids = {p.id: baseline.encode(p.prompt) for p in self.prompts}
@@ -196,9 +193,13 @@ class Bench:
                 "verify_rows": e.runner.rows,
                 "exact": e.exact,
                 "cost_ratio": e.cost_ratio if e.proposer is not None else None,
-                "options": next(s.options for s in self.specs if s.label == label),
+                "options": spec.options,
+                "draft_quantization": self.pool.scheme(spec.draft_quantization)
+                if spec.needs_draft_model
+                else None,
             }
-            for label, e in self.engines.items()
+            for spec in self.specs
+            for label, e in [(spec.label, self.engines[spec.label])]
         }
         if self.peer is not None:
             engines.update(self.peer.describe())

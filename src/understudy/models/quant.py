@@ -222,11 +222,23 @@ def _check_device(model: nn.Module) -> None:
         )
 
 
+def _already_quantized(model: nn.Module) -> str | None:
+    """The scheme `model` was quantized with, or None when none of its layers is."""
+    if not any(isinstance(m, (Int8Linear, Int4Linear)) for m in model.modules()):
+        return None
+    info = getattr(model, "quantization", None)
+    return info.scheme if isinstance(info, QuantInfo) else "unknown"
+
+
 def quantize_model(model: nn.Module, scheme: str) -> nn.Module:
     """Swap every fitting nn.Linear of `model` (lm_head included) for its quantized version,
-    in place; returns `model`, with a QuantInfo as `model.quantization`."""
+    in place; returns `model`, with a QuantInfo as `model.quantization`. A model that is
+    already quantized is refused (its weights are gone; quantizing twice compounds error)."""
     spec = parse_scheme(scheme)
     _check_device(model)
+    done = _already_quantized(model)
+    if done is not None:
+        raise UnderstudyError(f"this model is already quantized ({done}); load it afresh")
     info = QuantInfo(spec.name)
     for full, parent, attr, linear in _linears(model):
         if not fits(linear, spec):
@@ -279,6 +291,11 @@ def load_or_quantize(model: nn.Module, cache_key_dir: str | Path | None, scheme:
     (`default_cache_dir`). The file is quant-<scheme>-torch<ver>-<cpu>-v<n>.safetensors."""
     spec = parse_scheme(scheme)
     _check_device(model)
+    done = _already_quantized(model)
+    if done == spec.name:
+        return model  # idempotent: e.g. a model the factory has already quantized
+    if done is not None:
+        raise UnderstudyError(f"this model is already quantized ({done}); load it afresh")
     directory = Path(cache_key_dir) if cache_key_dir is not None else default_cache_dir(model)
     path = directory / f"quant-{_cache_tag(spec)}.safetensors"
     if path.exists():
@@ -288,7 +305,8 @@ def load_or_quantize(model: nn.Module, cache_key_dir: str | Path | None, scheme:
         except Exception as err:  # a stale or partial file: quantize afresh
             log.warning("ignoring quantized cache %s: %s", path, err)
     quantize_model(model, spec.name)
-    _save_packed(model, path)
+    if model.quantization.quantized:  # nothing fits: nothing worth a file
+        _save_packed(model, path)
     return model
 
 
