@@ -22,9 +22,10 @@ Layers whose shapes the kernel cannot take stay as they are (`fits`): int8 needs
 in_features % 32 == 0 (the bf16 kernel returns garbage or crashes for in_features % 16 != 0);
 int4 needs in_features % group_size == 0 and out_features % 16 == 0.
 
-Packing is done once and cached (`load_or_quantize`): a safetensors file per scheme next to the
-converted weights, keyed by torch version and CPU capability because the int4 layout is the
-kernel's own.
+Packing is done once and cached (`load_or_quantize`): a safetensors file per scheme in a
+directory that identifies the weights (the caller's, e.g. next to the converted weights, or one
+named by a fingerprint of the weights), keyed by torch version and CPU capability because the
+int4 layout is the kernel's own.
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import os
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -325,7 +327,7 @@ def _save_packed(model: nn.Module, path: Path) -> None:
         "bytes_after": str(info.bytes_after),
     }
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".tmp")
+    tmp = path.with_suffix(f".{os.getpid()}.tmp")  # concurrent writers do not collide
     save_file(tensors, str(tmp), metadata=meta)
     tmp.replace(path)  # atomic: a concurrent reader sees no file or a whole one
 
