@@ -1,9 +1,11 @@
 """Quantized draft benchmark (issue 9): fp32 / bf16 / int8 / int4 drafts side by side.
 
     .venv/bin/python scripts/bench_quantized_draft.py steps    --rounds 15
-    .venv/bin/python scripts/bench_quantized_draft.py profile  --steps 20
-    .venv/bin/python scripts/bench_quantized_draft.py generate --reps 3 --max-tokens 64 -k 2
-    .venv/bin/python scripts/bench_quantized_draft.py accept   --prompts 10 --max-tokens 96
+    .venv/bin/python scripts/bench_quantized_draft.py profile  --steps 10 --threads 1
+    .venv/bin/python scripts/bench_quantized_draft.py generate --reps 2 --max-tokens 64 -k 2
+    .venv/bin/python scripts/bench_quantized_draft.py accept   --prompts 6 --max-tokens 96
+
+Results and how to read them: docs/quantized-draft.md. Run alone on the machine.
 
 One process builds the default engine with an unquantized draft
 (`Engine.from_pretrained(method="draft", num_speculative_tokens=2, draft_quantization=None)`:
