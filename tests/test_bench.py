@@ -123,6 +123,17 @@ def test_bench_bad_input_is_one_line(tiny_pair, prompt_file, tmp_path):
     result = invoke(tiny_pair, prompt_file, tmp_path, "--methods", "none,telepathy")
     assert result.exit_code == 2
     assert "unknown method 'telepathy'" in result.output
+    result = invoke(tiny_pair, prompt_file, tmp_path, "--methods", "none", "--compare", "vllm")
+    assert result.exit_code == 2
+    assert "--compare takes hf or a comma list" in result.output
+
+
+def test_bench_one_peer_only(tiny_pair, prompt_file, tmp_path):
+    out = tmp_path / "one-peer"
+    result = invoke(tiny_pair, prompt_file, out, "--methods", "none", "--compare", "hf-lookup")
+    assert result.exit_code == 0, result.output
+    res = json.loads((out / "results.json").read_text())
+    assert sorted({r["label"] for r in res["runs"]}) == ["hf-lookup", "none"]
 
 
 @pytest.mark.parametrize("name", SHIPPED_SETS)

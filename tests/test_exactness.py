@@ -19,6 +19,7 @@ import torch
 from scipy.stats import chisquare
 
 from understudy import Engine, SamplingParams
+from understudy.models.packed import pack_linears
 from understudy.models.runner import Runner
 from understudy.sampling import warp_probs
 
@@ -31,11 +32,15 @@ def random_prompts(n: int, seed: int) -> list[list[int]]:
     return [torch.randint(1, 300, (m,), generator=g).tolist() for m in lengths]
 
 
+@pytest.mark.parametrize("packed", [False, True], ids=["torch-linear", "onednn-packed"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_row_invariance(tiny_pair, dtype):
-    """Row j of a padded 17-row pass == the same token scored alone in a padded pass."""
+def test_row_invariance(tiny_pair, dtype, packed):
+    """Row j of a padded 17-row pass == the same token scored alone in a padded pass, with
+    torch's linear and with the prepacked oneDNN linears used for budgets >= 4 on a CPU."""
     target, _ = tiny_pair
     model = Engine.from_pretrained(target=target, method="none", dtype=dtype).target.model
+    if packed:
+        assert pack_linears(model, 17) > 0
     runner = Runner(model, 256, rows=17)
     prompt = torch.arange(3, 40)
     batch = torch.tensor([7, 99, 12, 5, 250, 31, 8, 64, 1, 2, 3, 4, 200, 150, 100, 50])

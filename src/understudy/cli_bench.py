@@ -47,7 +47,8 @@ def bench(
         str | None,
         typer.Option(
             help="hf: also run transformers' generate() plain, with assistant_model= and with "
-            "prompt_lookup_num_tokens= on the same weights."
+            "prompt_lookup_num_tokens= on the same weights; or a comma list of hf-plain, "
+            "hf-assisted, hf-lookup."
         ),
     ] = None,
     per_category: Annotated[

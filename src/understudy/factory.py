@@ -14,9 +14,11 @@ from understudy.config import UnderstudyError
 from understudy.drafters import DRAFTERS
 from understudy.engine import Engine
 from understudy.models.loader import LoadedModel, cpu_has_native_bf16, load_model
+from understudy.models.packed import PACK_FROM_ROWS, can_pack, pack_linears
 from understudy.models.quant import SCHEMES, load_or_quantize
 from understudy.models.registry import DEFAULT_DRAFT, DEFAULT_TARGET
 from understudy.models.runner import Runner
+from understudy.models.transformer import Transformer
 
 METHODS = ("none", *DRAFTERS)
 
@@ -24,13 +26,21 @@ METHODS = ("none", *DRAFTERS)
 def default_verify_rows(dtype: torch.dtype, device: torch.device) -> int:
     """Rows per target pass (every decode pass, plain included, has exactly this many).
 
-    Chosen by measurement (README, "Row budget"): where matmuls are flat in rows (CUDA, CPUs
-    with native bf16) a wide budget is nearly free; on a CPU without native bf16 (fp32), a
-    1.5B pass costs 267 ms for 1 row, 291 ms for 3 and 526 ms for 4, so the budget is 3.
+    Chosen by measurement (README, "Row budget"; scripts/row_budget.py): where matmuls are flat
+    in rows (CUDA, CPUs with native bf16) a wide budget is nearly free. On a CPU without native
+    bf16 (fp32, linears prepacked for oneDNN from 4 rows on) a 1.5B pass costs ~270 ms at 3 rows
+    and ~320 ms at 6, and 6 rows gave the fastest draft and n-gram decoding (8 rows: no faster).
     """
     if device.type == "cuda" or (dtype == torch.bfloat16 and cpu_has_native_bf16()):
         return 16
-    return 3
+    return 6
+
+
+def prepare_target_kernels(model: Transformer, rows: int) -> None:
+    """Pack the target's linears for oneDNN when its passes hold >= 4 rows on a CPU (from 4
+    rows on, F.linear repacks every weight on every call; models/packed.py)."""
+    if rows >= PACK_FROM_ROWS and can_pack(model.device, model.dtype):
+        pack_linears(model, rows)
 
 
 DEFAULT_CPU_DRAFT_QUANTIZATION = "int4-g32"  # measured fastest on this CPU: docs/quantized-draft.md
@@ -123,6 +133,7 @@ def build_engine(
     if k != "auto" and rows < k + 1:
         raise UnderstudyError(f"verify_rows={rows} cannot hold K+1={k + 1} tokens")
     exact = rows == default_rows
+    prepare_target_kernels(model, rows)
     if not exact:
         warnings.warn(
             f"target passes hold {rows} rows, not this hardware's default {default_rows}: "

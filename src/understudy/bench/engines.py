@@ -25,6 +25,7 @@ from understudy.factory import (
     check_compatible,
     default_verify_rows,
     measure_cost_ratio,
+    prepare_target_kernels,
     resolve_draft_quantization,
 )
 from understudy.models.loader import LoadedModel, load_model
@@ -133,12 +134,14 @@ class ModelPool:
 def assemble_engine(spec: MethodSpec, pool: ModelPool, max_context: int) -> Engine:
     """What `factory.build_engine` does, around the pool's already-loaded models.
 
-    The baseline always uses the hardware's default row budget (the fastest plain decoding,
+    The target's kernels are chosen for the default row budget once, so every method of a
+    run shares them. The baseline always uses the hardware's default row budget (the fastest plain decoding,
     and the pass shape that speculative methods at their default K share bit for bit).
     """
     target_model = pool.target
     model = target_model.model
     default_rows = default_verify_rows(model.dtype, model.device)
+    prepare_target_kernels(model, default_rows)
     if spec.method == BASELINE:
         return Engine(target_model, None, BASELINE, 0, max_context, default_rows, True)
     k = spec.k

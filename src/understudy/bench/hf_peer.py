@@ -2,8 +2,9 @@
 
 `hf_model(loaded)` wraps an understudy `LoadedModel` as a transformers Qwen2/Llama
 ForCausalLM whose parameters are VIEWS of the loaded tensors (our fused q|k|v and gate|up
-matrices are sliced back along their output rows, which are contiguous): no second copy in
-memory, no second conversion of the GGUF file, and the peer provably runs the same numbers.
+matrices are sliced back along their output rows, which are contiguous): no second conversion
+of the GGUF file, and the peer provably runs the same numbers. (When the target's linears are
+prepacked for oneDNN, models/packed.py, the peer gets a dense copy of them: more memory.)
 
 Three peer methods, as a user of transformers would run them (its defaults otherwise):
 - hf-plain:    `generate()` (greedy or sampling as asked).
@@ -25,6 +26,7 @@ from understudy.config import SamplingParams
 from understudy.models.loader import LoadedModel
 
 HF_PLAIN, HF_ASSISTED, HF_LOOKUP = "hf-plain", "hf-assisted", "hf-lookup"
+HF_METHODS = (HF_PLAIN, HF_ASSISTED, HF_LOOKUP)
 HF_LOOKUP_TOKENS = 10  # the value transformers' documentation uses for prompt lookup
 
 
@@ -73,8 +75,9 @@ def _hf_state_dict(ours: torch.nn.Module) -> dict[str, torch.Tensor]:
     sd: dict[str, torch.Tensor] = {
         "model.embed_tokens.weight": ours.embed.weight,
         "model.norm.weight": ours.norm.weight,
-        "lm_head.weight": ours.lm_head.weight,
     }
+    if not cfg.tie_word_embeddings:  # tied: transformers ties lm_head to the embedding itself
+        sd["lm_head.weight"] = ours.lm_head.weight
     for i, layer in enumerate(ours.layers):
         p = f"model.layers.{i}."
         wq, wk, wv = layer.attn.wqkv.weight.split((q_out, kv_out, kv_out), dim=0)
@@ -90,8 +93,6 @@ def _hf_state_dict(ours: torch.nn.Module) -> dict[str, torch.Tensor]:
         sd[p + "mlp.down_proj.weight"] = layer.mlp.w_down.weight
         sd[p + "input_layernorm.weight"] = layer.attn_norm.weight
         sd[p + "post_attention_layernorm.weight"] = layer.mlp_norm.weight
-    if cfg.tie_word_embeddings:
-        sd.pop("lm_head.weight")
     return sd
 
 
@@ -137,10 +138,12 @@ class HFResult:
 class HFPeer:
     """transformers' generate() on the target (and the draft as its assistant)."""
 
-    def __init__(self, target: LoadedModel, draft: LoadedModel | None) -> None:
+    def __init__(
+        self, target: LoadedModel, draft: LoadedModel | None, methods: tuple[str, ...] = HF_METHODS
+    ) -> None:
         self.target = hf_model(target)
-        self.draft = hf_model(draft) if draft is not None else None
-        self.methods = [HF_PLAIN, *([HF_ASSISTED] if self.draft is not None else []), HF_LOOKUP]
+        self.draft = hf_model(draft) if draft is not None and HF_ASSISTED in methods else None
+        self.methods = [m for m in methods if m != HF_ASSISTED or self.draft is not None]
         self._passes = 0
         self.target.register_forward_pre_hook(self._count)
 

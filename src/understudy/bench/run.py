@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from understudy.bench.engines import BASELINE, ModelPool, assemble_engine, parse_methods
+from understudy.bench.hf_peer import HF_ASSISTED, HF_METHODS, HFPeer
 from understudy.bench.prompts import (
     DEFAULT_PER_CATEGORY,
     SHIPPED_SETS,
@@ -35,7 +36,7 @@ from understudy.config import SamplingParams, UnderstudyError, parse_num_specula
 
 SCHEMA = "understudy-bench/1"
 WARMUP_TOKENS = 4
-COMPARE_CHOICES = ("hf",)
+COMPARE_CHOICES = ("hf", "hf-plain", "hf-assisted", "hf-lookup")  # hf = all three peers
 
 
 @dataclass
@@ -150,10 +151,13 @@ class Bench:
         cfg = self.cfg
         if cfg.repeats < 1:
             raise UnderstudyError(f"repeats must be >= 1, got {cfg.repeats}")
-        if cfg.compare is not None and cfg.compare not in COMPARE_CHOICES:
+        peers = [] if cfg.compare is None else cfg.compare.split(",")
+        if cfg.compare is not None and not all(p in COMPARE_CHOICES for p in peers):
             raise UnderstudyError(
-                f"--compare takes {', '.join(COMPARE_CHOICES)}, got {cfg.compare!r}"
+                f"--compare takes hf or a comma list of hf-plain, hf-assisted, hf-lookup; "
+                f"got {cfg.compare!r}"
             )
+        self.peer_methods = HF_METHODS if "hf" in peers else tuple(peers)
         self.params = SamplingParams(
             max_tokens=cfg.max_tokens,
             temperature=cfg.temperature,
@@ -174,13 +178,12 @@ class Bench:
                 warnings.simplefilter("ignore")
                 self.engines[spec.label] = assemble_engine(spec, self.pool, cfg.max_context)
         self.peer = None
-        if cfg.compare == "hf":
-            from understudy.bench.hf_peer import HFPeer
-
+        if self.peer_methods:
             # transformers' assistant is the dense draft (its generate() runs plain nn.Linear)
-            assistant = self.pool.draft(None) if self.pool.draft_spec is not None else None
+            wants_draft = self.pool.draft_spec is not None and HF_ASSISTED in self.peer_methods
+            assistant = self.pool.draft(None) if wants_draft else None
             with self.console.status("wrapping the same weights for transformers.generate..."):
-                self.peer = HFPeer(self.target_model, assistant)
+                self.peer = HFPeer(self.target_model, assistant, self.peer_methods)
         self.labels = [s.label for s in self.specs] + (self.peer.methods if self.peer else [])
         baseline = self.engines[BASELINE]
         self.prompt_ids = {p.id: baseline.encode(p.prompt) for p in self.prompts}

@@ -1,0 +1,59 @@
+"""Prepacked CPU linear layers for the target: a verification pass of several rows at the
+price of little more than one.
+
+`F.linear` on a CPU runs a matrix-vector kernel for 1-3 rows and switches to a general
+matmul from 4 rows on, which repacks the weight on every call: on the 1.5B target a pass of
+4 rows costs ~1.8x a pass of 3 (README, "Row budget"). oneDNN can pack each weight ONCE, in
+the blocked layout its matmul wants, and then a pass of 4-6 rows costs about what 3 rows
+cost unpacked. We pack the target's linears at load when its row budget is >= 4.
+
+Invariant kept: within one call of a fixed number of rows, a row's result does not depend on
+the other rows (tests/test_exactness.py proves it through the engine), so the fixed-rows
+design of runner.py holds with packed weights as well.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+PACK_FROM_ROWS = 4  # below this F.linear's matrix-vector path is as fast (measured)
+
+
+def can_pack(device: torch.device, dtype: torch.dtype) -> bool:
+    return (
+        device.type == "cpu"
+        and dtype in (torch.float32, torch.bfloat16)
+        and torch.backends.mkldnn.is_available()
+    )
+
+
+class PackedLinear(nn.Module):
+    """y = x W^T + b with W held in oneDNN's blocked layout (packed for `rows`-row calls)."""
+
+    def __init__(self, linear: nn.Linear, rows: int) -> None:
+        super().__init__()
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        weight = linear.weight.detach()
+        self.packed = torch.ops.mkldnn._reorder_linear_weight(weight, rows)  # [out, in], mkldnn
+        self.bias = None if linear.bias is None else linear.bias.detach()  # [out]
+
+    @property
+    def weight(self) -> torch.Tensor:
+        """The weight [out, in] as a dense tensor: a COPY (for exporting, e.g. to transformers)."""
+        return self.packed.to_dense()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [R, in] -> [R, out]
+        return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
+
+
+def pack_linears(model: nn.Module, rows: int) -> int:
+    """Replace every nn.Linear of `model` by a PackedLinear, in place; returns how many.
+    Idempotent: layers packed already are left alone."""
+    count = 0
+    for module in list(model.modules()):
+        for name, child in list(module.named_children()):
+            if type(child) is nn.Linear:
+                setattr(module, name, PackedLinear(child, rows))
+                count += 1
+    return count
