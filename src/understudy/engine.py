@@ -7,6 +7,15 @@ verifier's own token, and truncates the target's cache back to the tokens it has
 Greedy output is the target's own argmax sequence bit for bit, because every target decode
 pass has the same shape (see models/runner.py); sampled output has the target's
 distribution (verify.py).
+
+Trees (method="draft", option tree="on" | "auto"): the drafter proposes a token tree
+(understudy.tree) instead of a chain; the target scores all its nodes in one pass
+(`Runner.tree_pass`), verify_tree.py picks the accepted root-to-node path, and
+`Runner.keep_path` compacts that path's KV to the slots after the prefix, leaving the same
+invariant as a chain round. Stats: drafted = nodes in the tree, accepted = path length.
+Tree output is lossless (sampling: exact law; greedy: the target's argmax at every step),
+but a node off the tree's first-child path is not scored in the slots a chain would use,
+which in float32 can move logits in the last bits (tree.py): stats.exact is False.
 """
 
 from __future__ import annotations
@@ -25,7 +34,9 @@ from understudy.models.loader import LoadedModel
 from understudy.models.runner import Runner
 from understudy.sampling import make_generator, sample, warp_probs
 from understudy.stats import GenerationStats, StatsRecorder
+from understudy.tree import TokenTree
 from understudy.verify import Verdict, verify_greedy, verify_sampling
+from understudy.verify_tree import TreeVerdict, verify_tree_greedy, verify_tree_sampling
 
 Prompt = str | list[int] | list[dict[str, str]]
 
@@ -52,6 +63,8 @@ class RoundEvent:
     accepted: int
     next_token: int
     origin: str  # of next_token: "corrected", "bonus" or "target" (nothing drafted)
+    parents: list[int] | None = None  # a tree round: drafted[i] follows drafted[parents[i]]
+    path: list[int] | None = None  # a tree round: the indices into drafted that were kept
 
 
 @dataclass
@@ -60,6 +73,18 @@ class GenerationOutput:
     token_ids: list[int]
     stats: GenerationStats
     prompt_token_ids: list[int]
+
+
+TREE_AUTO_MIN_ROWS = 8  # tree="auto" drafts trees when a target pass holds this many rows
+
+
+def tree_enabled(proposer: Proposer | None, verify_rows: int) -> bool:
+    """Whether rounds draft trees: the proposer can, and its `tree` option says "on", or
+    "auto" with a row budget wide enough to hold a tree (placeholder rule, to be measured)."""
+    mode = getattr(proposer, "tree", "off")
+    if proposer is None or not hasattr(proposer, "propose_tree") or mode == "off":
+        return False
+    return mode == "on" or verify_rows >= TREE_AUTO_MIN_ROWS
 
 
 class Engine:
@@ -83,7 +108,9 @@ class Engine:
         self.k = num_speculative_tokens
         self.max_context = max_context
         self.runner = Runner(target.model, max_context, rows=verify_rows)
-        self.exact = exact
+        self.tree = tree_enabled(proposer, verify_rows)
+        self.rows_exact = exact  # the row budget is the hardware's default
+        self.exact = exact and not self.tree  # see the module docstring
         self.cost_ratio = cost_ratio  # draft step / target pass, measured by from_pretrained
 
     @classmethod
@@ -124,7 +151,8 @@ class Engine:
         """The same target (shared weights) with another method; only "none" needs no drafter."""
         if method != "none":
             raise UnderstudyError("with_method builds only the plain baseline; use from_pretrained")
-        return Engine(self.target, None, "none", 0, self.max_context, self.runner.rows, self.exact)
+        rows = self.runner.rows
+        return Engine(self.target, None, "none", 0, self.max_context, rows, self.rows_exact)
 
     # -- prompts ---------------------------------------------------------------------------
 
@@ -209,6 +237,28 @@ class Engine:
             proposal.draft_ids, proposal.draft_probs, warp_probs(logits, params), gen
         )
 
+    def _verify_tree(
+        self,
+        tokens: list[int],
+        proposal: Proposal,
+        params: SamplingParams,
+        gen: torch.Generator,
+    ) -> tuple[TreeVerdict, int]:
+        """Score a proposed tree in one target pass, verify it, keep the accepted path's KV.
+        Returns the verdict and the tree's depth."""
+        tree = TokenTree.from_drafts(tokens[-1], proposal.draft_ids, proposal.parents)
+        offsets = tree.slot_offsets()  # [N]
+        device = self.target.model.device
+        logits = self.runner.tree_pass(
+            tree.tokens.to(device), tree.depths, offsets, tree.region_mask(offsets)
+        ).cpu()  # [N, V]
+        if params.greedy:
+            verdict = verify_tree_greedy(tree, logits)
+        else:
+            verdict = verify_tree_sampling(tree, warp_probs(logits, params), gen)
+        self.runner.keep_path(offsets[[0, *verdict.path]])  # root + accepted nodes
+        return verdict, tree.depth
+
     def _stream(
         self,
         prompt_ids: list[int],
@@ -235,30 +285,43 @@ class Engine:
             rounds += 1
             k = min(policy.choose() if policy else self.k, emitter.remaining - 1)
             t_draft = time.perf_counter()
-            proposal = (
-                self.proposer.propose(tokens, k, params, gen) if self.proposer and k > 0 else EMPTY
-            )
+            if not self.proposer or k <= 0:
+                proposal = EMPTY
+            elif self.tree:
+                nodes = self.runner.rows - 1
+                proposal = self.proposer.propose_tree(tokens, k, nodes, params, gen)
+            else:
+                proposal = self.proposer.propose(tokens, k, params, gen)
             t_verify = time.perf_counter()
-            fed = torch.tensor([tokens[-1], *proposal.draft_ids.tolist()], device=device)
-            logits = self.runner.extend(fed).cpu()  # [k'+1, V]
-            verdict = self._verify(proposal, logits, params, gen)
-            self.runner.truncate(len(tokens) + verdict.accepted)
-            if policy is not None:
-                policy.observe(proposal.size, verdict.accepted)
-            recorder.round(
-                proposal.size, verdict.accepted, t_verify - t_draft, time.perf_counter() - t_verify
-            )
             drafted = proposal.draft_ids.tolist()
-            kept = drafted[: verdict.accepted]
-            tokens += [*kept, verdict.next_token]
+            if proposal.parents is None:
+                fed = torch.tensor([tokens[-1], *drafted], device=device)
+                logits = self.runner.extend(fed).cpu()  # [k'+1, V]
+                verdict = self._verify(proposal, logits, params, gen)
+                self.runner.truncate(len(tokens) + verdict.accepted)
+                accepted, next_token, path = verdict.accepted, verdict.next_token, None
+                bonus, depth = accepted == proposal.size, proposal.size
+            else:
+                tree_verdict, depth = self._verify_tree(tokens, proposal, params, gen)
+                accepted, next_token = tree_verdict.accepted, tree_verdict.next_token
+                path = [node - 1 for node in tree_verdict.path]  # indices into drafted
+                bonus = tree_verdict.bonus
+            if policy is not None:
+                policy.observe(depth, accepted)  # a tree's depth plays K's part
+            recorder.round(
+                proposal.size, accepted, t_verify - t_draft, time.perf_counter() - t_verify
+            )
+            kept = drafted[:accepted] if path is None else [drafted[i] for i in path]
+            tokens += [*kept, next_token]
             if proposal.size == 0:
                 origin = "target"
             else:
-                origin = "bonus" if verdict.accepted == proposal.size else "corrected"
+                origin = "bonus" if bonus else "corrected"
             if on_round is not None:
-                on_round(RoundEvent(rounds, drafted, verdict.accepted, verdict.next_token, origin))
+                parents = None if proposal.parents is None else proposal.parents.tolist()
+                on_round(RoundEvent(rounds, drafted, accepted, next_token, origin, parents, path))
             yield from emitter.emit(kept, "accepted", rounds)
-            yield from emitter.emit([verdict.next_token], origin, rounds)
+            yield from emitter.emit([next_token], origin, rounds)
             if self.proposer is not None and not emitter.done:
                 self.proposer.commit(tokens)
         end = getattr(self.proposer, "end", None)  # e.g. the suffix drafter's cross-request cache

@@ -4,17 +4,30 @@ The draft keeps its own KV cache. Invariant: its cache holds valid entries for `
 the tokens it has been fed; after a round `commit` truncates it to the longest prefix that
 the real sequence shares, and the next `propose` first feeds the tokens it has not yet seen
 (the catch-up: the corrected or bonus token, and the last accepted draft) in one pass.
+
+Trees (option tree="on" | "auto", EAGLE-2 style, Li et al. 2024): `propose_tree` grows a
+dynamic tree. Each node's score is its cumulative draft probability (the product of the
+draft's probabilities along its path); depth by depth, the `branching` best-scoring nodes
+of the newest depth are scored in ONE pass of the draft (a tree mask), each gets its
+`branching` most likely tokens as children, and finally the `nodes` best-scoring nodes
+(a score never exceeds its parent's, so the set is closed under parents) form the tree, in
+depth-first order with likelier siblings first (the likeliest path is laid out as a chain).
+Drafting costs about `depth` passes, however many nodes. Afterwards the draft's cache is
+rolled back to the committed tokens, so the catch-up invariant above is unchanged.
 """
 
 from __future__ import annotations
 
 import torch
 
-from understudy.config import SamplingParams
-from understudy.drafters.base import Proposal, register
+from understudy.config import SamplingParams, UnderstudyError
+from understudy.drafters.base import EMPTY, Proposal, register
+from understudy.drafters.ngram import positive_int, take_options
 from understudy.models.loader import LoadedModel
 from understudy.models.runner import Runner
 from understudy.sampling import sample, warp_probs
+
+TREE_MODES = ("off", "on", "auto")
 
 
 @register("draft")
@@ -26,11 +39,19 @@ class DraftModelProposer:
         cls, target: LoadedModel, draft: LoadedModel | None, max_context: int, **options: object
     ) -> DraftModelProposer:
         assert draft is not None
-        return cls(Runner(draft.model, max_context))
+        opts = take_options("draft", options, {"tree": "off", "tree_branching": 2})
+        if opts["tree"] not in TREE_MODES:
+            raise UnderstudyError(
+                f"tree must be one of {', '.join(TREE_MODES)}, got {opts['tree']!r}"
+            )
+        branching = positive_int("draft", "tree_branching", opts["tree_branching"])
+        return cls(Runner(draft.model, max_context), tree=str(opts["tree"]), branching=branching)
 
-    def __init__(self, runner: Runner) -> None:
+    def __init__(self, runner: Runner, tree: str = "off", branching: int = 2) -> None:
         self.runner = runner
         self.fed: list[int] = []  # tokens whose KV the draft computed, in order
+        self.tree = tree  # "off", "on" or "auto" (the engine decides from its row budget)
+        self.branching = branching
 
     def begin(self, prompt_ids: list[int]) -> None:
         self.fed = []
@@ -40,9 +61,7 @@ class DraftModelProposer:
         self, tokens: list[int], k: int, params: SamplingParams, generator: torch.Generator
     ) -> Proposal:
         device = self.runner.model.device
-        unseen = tokens[self.runner.length :]
-        logits = self.runner.extend(torch.tensor(unseen, device=device), last_only=True)  # [1, V]
-        self.fed = tokens[: self.runner.length]
+        logits = self._catch_up(tokens)  # [1, V]
         draft_ids: list[torch.Tensor] = []
         draft_probs: list[torch.Tensor] = []
         for i in range(k):
@@ -58,6 +77,106 @@ class DraftModelProposer:
                 self.fed.append(int(token))
         ids = torch.cat(draft_ids).cpu()  # [k]
         return Proposal(ids, torch.stack(draft_probs).cpu() if draft_probs else None)
+
+    def _catch_up(self, tokens: list[int]) -> torch.Tensor:
+        """Feed the tokens the draft has not seen; return its logits after tokens[-1] [1, V]."""
+        unseen = tokens[self.runner.length :]
+        logits = self.runner.extend(torch.tensor(unseen, device=self.runner.model.device), True)
+        self.fed = tokens[: self.runner.length]
+        return logits
+
+    @staticmethod
+    def _log_scores(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+        """[n, V] -> [n, V] log draft probabilities used to rank tree nodes (greedy: the
+        plain softmax, since the warped one is one-hot; sampling: the warped q)."""
+        if params.greedy:
+            return torch.log_softmax(logits.float(), dim=-1)
+        return warp_probs(logits, params).log()
+
+    @torch.inference_mode()
+    def propose_tree(
+        self,
+        tokens: list[int],
+        depth: int,
+        nodes: int,
+        params: SamplingParams,
+        generator: torch.Generator,
+    ) -> Proposal:
+        """A dynamic tree of at most `nodes` drafted tokens and `depth` levels (module
+        docstring). Returns a Proposal with `parents` and draft_probs None (the children of
+        a node are its top-b draft tokens: deterministic, verified one by one)."""
+        if depth < 1 or nodes < 1:
+            return EMPTY
+        runner, b = self.runner, self.branching
+        device = runner.model.device
+        root_logits = self._catch_up(tokens)  # [1, V]
+        base = runner.length - 1  # the root (tokens[-1]) sits at this slot of the draft's cache
+        # candidates, parallel lists; parent -1 = the root
+        tok: list[int] = []
+        parent: list[int] = []
+        score: list[float] = []
+        level: list[int] = []
+        slot: dict[int, int] = {}  # candidate -> offset from the root's slot, once fed
+
+        def add_children(of: int, of_score: float, of_level: int, logits: torch.Tensor) -> None:
+            logq = self._log_scores(logits[None], params)[0]  # [V]
+            top = torch.topk(logq, min(b, logq.shape[0]))
+            for value, token in zip(top.values.tolist(), top.indices.tolist(), strict=True):
+                if value == float("-inf"):
+                    break
+                tok.append(token)
+                parent.append(of)
+                score.append(of_score + value)
+                level.append(of_level + 1)
+
+        add_children(-1, 0.0, 0, root_logits[0])
+        newest = list(range(len(tok)))
+        fed = 1  # slots used after the root's (offset 0 is the root itself)
+        for d in range(1, depth):
+            # a child scores at most its parent: only parents above the current cut can help
+            cut = sorted(score, reverse=True)[nodes - 1] if len(score) >= nodes else float("-inf")
+            expand = sorted((c for c in newest if score[c] > cut), key=lambda c: -score[c])[:b]
+            if not expand:
+                break
+            e = len(expand)
+            visible = torch.zeros(e, fed + e, dtype=torch.bool)  # [e, span]
+            visible[:, 0] = True  # the root
+            for row, c in enumerate(expand):
+                slot[c] = fed + row
+                a = c
+                while a != -1:
+                    visible[row, slot[a]] = True
+                    a = parent[a]
+            logits = runner.tree_pass(
+                torch.tensor([tok[c] for c in expand], device=device),
+                torch.full((e,), d, dtype=torch.long),
+                torch.arange(fed, fed + e),
+                visible,
+                base=base,
+            )  # [e, V]
+            fed += e
+            first_new = len(tok)
+            for row, c in enumerate(expand):
+                add_children(c, score[c], d, logits[row])
+            newest = list(range(first_new, len(tok)))
+        runner.truncate(len(tokens))  # forget the tree: the draft's cache holds tokens again
+        keep = sorted(range(len(tok)), key=lambda c: (-score[c], level[c], c))[:nodes]
+        kept = set(keep)
+        rank = {c: i for i, c in enumerate(keep)}  # likelier first among siblings
+        kids: dict[int, list[int]] = {}
+        for c in sorted(keep, key=rank.get):
+            assert parent[c] == -1 or parent[c] in kept  # closed under parents
+            kids.setdefault(parent[c], []).append(c)
+        order: list[int] = []  # depth-first, likelier siblings first
+        stack = list(reversed(kids.get(-1, [])))
+        while stack:
+            c = stack.pop()
+            order.append(c)
+            stack.extend(reversed(kids.get(c, [])))
+        index = {c: i for i, c in enumerate(order)}
+        ids = torch.tensor([tok[c] for c in order], dtype=torch.long)
+        parents = torch.tensor([index[parent[c]] if parent[c] != -1 else -1 for c in order])
+        return Proposal(ids, None, parents)
 
     def commit(self, tokens: list[int]) -> None:
         keep = 0

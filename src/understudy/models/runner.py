@@ -10,6 +10,12 @@ tokens first and filler after, over a fixed window of key slots chosen once per 
 real nor on where the pass starts: verification is bitwise the same as decoding one token
 at a time. (Measured: with a key window that grows with the pass, SDPA's key blocking changes
 once the window crosses a block boundary and rows differ in the last bits.)
+
+Trees (understudy.tree): `tree_pass` scores the nodes of a token tree in one pass, node i at
+slot base + i and position base + depth_i under an ancestor mask, and leaves `length`
+alone; `keep_path` then copies the accepted path's keys/values to the slots right after the
+prefix (Transformer.keep_slots) and sets `length`, so the cache again holds exactly the
+committed tokens, laid out as a chain would have written them.
 """
 
 from __future__ import annotations
@@ -52,6 +58,57 @@ class Runner:
         logits = self.model(padded, positions, positions, mask, logit_rows)
         self.length = start + n
         return logits
+
+    @torch.inference_mode()
+    def tree_pass(
+        self,
+        tokens: torch.Tensor,  # [n] tree nodes to score
+        depths: torch.Tensor,  # [n] their depths (root = 0)
+        offsets: torch.Tensor,  # [n] their slots relative to the root's
+        visible: torch.Tensor,  # [n, span] bool: which slots base + j (j < span) each sees
+        base: int | None = None,
+    ) -> torch.Tensor:
+        """Score tree nodes in one pass; return their logits [n, vocab] (understudy.tree).
+
+        The tree's root sits at slot `base` (default `length`: the target scores the root in
+        this pass). Node i is written to slot base + offsets[i] at position base + depths[i]
+        and attends to the prefix (slots < base) and to slots base + j where visible[i, j]
+        (its ancestors and itself; nodes of earlier passes must already be in their slots:
+        the draft scores its tree depth by depth, its root already cached, base = length -
+        1). `length` is not changed: call `keep_path` or `truncate` afterwards. With `rows`
+        set, the pass is padded to `rows` rows over the request's fixed key window like
+        every target pass; filler rows sit after the tree's region and see the prefix and
+        themselves."""
+        base = self.length if base is None else base
+        n, span, device = tokens.shape[0], visible.shape[1], self.model.device
+        assert visible.shape[0] == n and int(offsets.max()) < span, (visible.shape, n)
+        rows = n if self.rows is None else self.rows
+        assert n <= rows, f"a pass holds at most {rows} rows, got {n}"
+        padded = torch.zeros(rows, dtype=torch.long, device=device)  # [rows], filler = id 0
+        padded[:n] = tokens
+        filler = torch.arange(base + span, base + span + rows - n, device=device)  # [rows-n]
+        slots = torch.cat([base + offsets.to(device), filler])  # [rows]
+        positions = torch.cat([base + depths.to(device), filler])  # [rows]
+        keys = max(self.window or 0, base + span + rows - n)
+        assert keys <= self.slots, (keys, self.slots)
+        mask = torch.zeros(rows, keys, dtype=torch.bool, device=device)  # [rows, keys]
+        mask[:, :base] = True
+        mask[:n, base : base + span] = visible.to(device)
+        mask[torch.arange(n, rows, device=device), filler] = True
+        return self.model(padded, positions, slots, mask)[:n]  # all rows, as a chain pass
+
+    @torch.inference_mode()
+    def keep_path(self, offsets: torch.Tensor | list[int], base: int | None = None) -> None:
+        """Keep a tree's accepted path: `offsets` [m] are the slots (relative to the root's
+        slot `base`, default `length`) of the path's nodes, root first. Copies slot base +
+        offsets[i] to slot base + i and sets length = base + m; later slots are garbage."""
+        base = self.length if base is None else base
+        offsets = torch.as_tensor(offsets, dtype=torch.long)
+        assert offsets.ndim == 1 and offsets.shape[0] >= 1
+        m = offsets.shape[0]
+        if not torch.equal(offsets.cpu(), torch.arange(m)):  # else already in place
+            self.model.keep_slots(base + offsets.to(self.model.device), base)
+        self.length = base + m
 
     @torch.inference_mode()
     def prefill(self, tokens: torch.Tensor, span: int | None = None) -> torch.Tensor:
