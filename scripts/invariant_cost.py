@@ -2,11 +2,14 @@
 
 - transformers: the same weights as a transformers CausalLM, one token per forward, its
   DynamicCache (what `generate()` runs per token);
-- understudy, 1 row: our transformer scoring exactly the one token (NOT row-invariant);
+- understudy, 1 row: our transformer scoring exactly the one token with torch's F.linear
+  (NOT row-invariant);
 - understudy, invariant: the default pass, padded to the hardware's row budget over the
-  fixed key window (what every understudy decode pass does, plain decoding included).
+  fixed key window (what every understudy decode pass does, plain decoding included);
+  `--also-rows 3` adds other budgets (each on its own copy of the weights, packed or not as
+  build_engine would do for that budget).
 
-    python scripts/invariant_cost.py --context 200 --repeats 15
+    python scripts/invariant_cost.py --context 200 --repeats 15 --also-rows 3
 
 Prints a markdown table (median ms and spread). Run it on a quiet machine.
 """
@@ -23,8 +26,30 @@ import torch
 from understudy.bench.hf_peer import hf_model
 from understudy.factory import default_verify_rows, prepare_target_kernels
 from understudy.models.loader import load_model
+from understudy.models.packed import PACK_FROM_ROWS, can_pack
 from understudy.models.registry import DEFAULT_TARGET
 from understudy.models.runner import Runner
+
+
+def copy_model(model: torch.nn.Module) -> torch.nn.Module:
+    import copy
+
+    return copy.deepcopy(model)
+
+
+def invariant_pass(model, rows: int, context_len: int) -> Callable[[], None]:
+    """One padded `rows`-row decode pass over a fixed window (kernels as build_engine sets)."""
+    prepare_target_kernels(model, rows)
+    runner = Runner(model, context_len + 64, rows=rows)
+    context = torch.randint(1, 1000, (context_len,), generator=torch.Generator().manual_seed(0))
+    runner.prefill(context, span=context_len + 32)
+    token = torch.tensor([42])
+
+    def step() -> None:
+        runner.extend(token)
+        runner.truncate(context_len)
+
+    return step
 
 
 def main() -> None:
@@ -32,6 +57,7 @@ def main() -> None:
     parser.add_argument("--target", default=DEFAULT_TARGET)
     parser.add_argument("--context", type=int, default=200)
     parser.add_argument("--repeats", type=int, default=15)
+    parser.add_argument("--also-rows", default="", help="other row budgets, comma-separated")
     args = parser.parse_args()
     from transformers import DynamicCache
 
@@ -62,15 +88,13 @@ def main() -> None:
         "transformers forward, 1 token": transformers_step,
         "understudy, 1 row (not invariant)": ours_one_row,
     }
-    prepare_target_kernels(model, rows)  # what build_engine does for this budget
-    invariant = Runner(model, args.context + 64, rows=rows)
-    invariant.prefill(context, span=args.context + 32)
-
-    def ours_invariant() -> None:
-        invariant.extend(token)
-        invariant.truncate(args.context)
-
-    passes[f"understudy, invariant ({rows} rows, fixed window)"] = ours_invariant
+    # The loaded weights stay dense (transformers' views share them); a budget whose kernels
+    # differ (packed, models/packed.py) runs on its own copy.
+    for budget in [rows, *(int(r) for r in args.also_rows.split(",") if r)]:
+        packs = budget >= PACK_FROM_ROWS and can_pack(model.device, model.dtype)
+        passes[f"understudy, invariant ({budget} rows, fixed window)"] = invariant_pass(
+            copy_model(model) if packs else model, budget, args.context
+        )
     times: dict[str, list[float]] = {name: [] for name in passes}
     for fn in passes.values():
         fn()  # warm-up

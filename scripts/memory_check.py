@@ -28,13 +28,17 @@ def main() -> None:
     weights = sum(tensor_bytes(m.parameters()) for m in models)
     caches = sum(tensor_bytes([*m.k_cache, *m.v_cache]) for m in models)
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux: KiB
-    print(json.dumps({
-        "dtype": str(engine.target.model.dtype),
-        "weights_bytes": weights,
-        "kv_cache_bytes": caches,
-        "peak_rss_bytes": peak,
-        "ratio": round(peak / (weights + caches), 3),
-    }))
+    print(
+        json.dumps(
+            {
+                "dtype": str(engine.target.model.dtype),
+                "weights_bytes": weights,
+                "kv_cache_bytes": caches,
+                "peak_rss_bytes": peak,
+                "ratio": round(peak / (weights + caches), 3),
+            }
+        )
+    )
 
 
 if __name__ == "__main__":

@@ -17,6 +17,7 @@ from scipy.stats import chi2_contingency
 from torch import nn
 
 from understudy import Engine, SamplingParams, UnderstudyError
+from understudy.models.loader import load_model
 from understudy.models.quant import (
     Int4Linear,
     Int8Linear,
@@ -198,7 +199,7 @@ def test_default_cache_dir_is_keyed_by_the_weights(tiny_pair, tmp_path, monkeypa
     monkeypatch.setenv("UNDERSTUDY_CACHE", str(tmp_path))
     target, draft = tiny_pair
     for spec, expect_cached in ((draft, False), (draft, True), (target, False)):
-        model = Engine.from_pretrained(target=spec, method="none", dtype="float32").target.model
+        model = load_model(spec, dtype="float32").model  # a draft is loaded this way
         load_or_quantize(model, None, "int8")
         assert model.quantization.from_cache is expect_cached
     assert len(list((tmp_path / "quantized").iterdir())) == 2  # one per distinct model
