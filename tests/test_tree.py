@@ -137,6 +137,14 @@ def test_tree_node_logits_vs_chain(tiny_pair, dtype):
     print(f"{dtype}: nodes off the contiguous path differing in the last bits: {differing}")
 
 
+def tree_engine(tiny_pair: tuple[str, str], **options: object) -> Engine:
+    """The tiny pair with trees on, fp32, a 9-row budget (8 tree nodes)."""
+    target, draft = tiny_pair
+    return Engine.from_pretrained(
+        target=target, draft=draft, dtype="float32", verify_rows=9, tree="on", **options
+    )
+
+
 # -- c. greedy identity -------------------------------------------------------------------------
 
 
@@ -170,11 +178,7 @@ def test_greedy_tree_identity(tiny_pair, dtype, rows, branching, k):
 @pytest.mark.filterwarnings(NON_DEFAULT_ROWS)
 def test_tree_rounds_are_trees(tiny_pair):
     """The proposer really branches, the budget holds, and the emitted tokens follow a path."""
-    target, draft = tiny_pair
-    spec = Engine.from_pretrained(
-        target=target, draft=draft, dtype="float32", num_speculative_tokens=3, verify_rows=9,
-        tree="on", tree_branching=2,
-    )  # fmt: skip
+    spec = tree_engine(tiny_pair, num_speculative_tokens=3, tree_branching=2)
     rounds = []
     params = SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True)
     out = spec.stream([5, 6, 7, 8], params, on_round=rounds.append)
@@ -354,11 +358,7 @@ def test_keep_path_compacts_like_a_chain(tiny_pair, dtype):
 @pytest.mark.filterwarnings(NON_DEFAULT_ROWS)
 def test_draft_cache_is_rolled_back(tiny_pair):
     """After propose_tree the draft's cache again holds exactly the committed tokens."""
-    target, draft = tiny_pair
-    spec = Engine.from_pretrained(
-        target=target, draft=draft, dtype="float32", num_speculative_tokens=4, verify_rows=9,
-        tree="on", tree_branching=3,
-    )  # fmt: skip
+    spec = tree_engine(tiny_pair, num_speculative_tokens=4, tree_branching=3)
     proposer = spec.proposer
     tokens = [5, 6, 7, 8, 9]
     proposer.begin(tokens)

@@ -20,8 +20,8 @@ from understudy.config import UnderstudyError
 
 SHIPPED_SETS = ("completion", "editing", "chat", "summarize")
 # The headline subset: the first 3 prompts of each category, 96 new tokens. Measured on the
-# 2-core CPU (fp32): a prompt costs ~2.5 min across none, draft and the three transformers
-# peers, so the default run with --compare hf takes ~30 min with loading; without, ~10 min.
+# 2-core CPU (fp32, 6-row passes): `understudy bench --compare hf` (none, draft and the three
+# transformers peers) took 24.7 minutes with loading, ~2 min a prompt.
 DEFAULT_PER_CATEGORY = 3
 
 

@@ -5,6 +5,10 @@ the tokens it has been fed; after a round `commit` truncates it to the longest p
 the real sequence shares, and the next `propose` first feeds the tokens it has not yet seen
 (the catch-up: the corrected or bonus token, and the last accepted draft) in one pass.
 
+Option draft_confidence=t (default 0, off): a round stops early, before the first guess after
+the first whose draft probability is below t, since a doubtful guess is likely rejected and
+its draft step wasted (cf. transformers' assistant_confidence_threshold).
+
 Trees (option tree="on" | "auto", EAGLE-2 style, Li et al. 2024): `propose_tree` grows a
 dynamic tree. Each node's score is its cumulative draft probability (the product of the
 draft's probabilities along its path); depth by depth, the `branching` best-scoring nodes
@@ -39,19 +43,27 @@ class DraftModelProposer:
         cls, target: LoadedModel, draft: LoadedModel | None, max_context: int, **options: object
     ) -> DraftModelProposer:
         assert draft is not None
-        opts = take_options("draft", options, {"tree": "off", "tree_branching": 2})
+        defaults = {"tree": "off", "tree_branching": 2, "draft_confidence": 0.0}
+        opts = take_options("draft", options, defaults)
         if opts["tree"] not in TREE_MODES:
             raise UnderstudyError(
                 f"tree must be one of {', '.join(TREE_MODES)}, got {opts['tree']!r}"
             )
         branching = positive_int("draft", "tree_branching", opts["tree_branching"])
-        return cls(Runner(draft.model, max_context), tree=str(opts["tree"]), branching=branching)
+        confidence = opts["draft_confidence"]
+        if not isinstance(confidence, (int, float)) or not 0.0 <= confidence <= 1.0:
+            raise UnderstudyError(f"draft_confidence must be in [0, 1], got {confidence!r}")
+        runner = Runner(draft.model, max_context)
+        return cls(runner, tree=str(opts["tree"]), branching=branching, confidence=confidence)
 
-    def __init__(self, runner: Runner, tree: str = "off", branching: int = 2) -> None:
+    def __init__(
+        self, runner: Runner, tree: str = "off", branching: int = 2, confidence: float = 0.0
+    ) -> None:
         self.runner = runner
         self.fed: list[int] = []  # tokens whose KV the draft computed, in order
         self.tree = tree  # "off", "on" or "auto" (the engine decides from its row budget)
         self.branching = branching
+        self.confidence = float(confidence)  # stop a round at a guess the draft doubts more
 
     def begin(self, prompt_ids: list[int]) -> None:
         self.fed = []
@@ -65,11 +77,11 @@ class DraftModelProposer:
         draft_ids: list[torch.Tensor] = []
         draft_probs: list[torch.Tensor] = []
         for i in range(k):
-            if params.greedy:
-                token = logits.argmax(-1)  # [1]
-            else:
-                q = warp_probs(logits, params)  # [1, V]
-                token = sample(q, generator)
+            q = None if params.greedy else warp_probs(logits, params)  # [1, V]
+            token = logits.argmax(-1) if q is None else sample(q, generator)  # [1]
+            if i > 0 and self._doubtful(logits, q, token):
+                break
+            if q is not None:
                 draft_probs.append(q[0])
             draft_ids.append(token)
             if i < k - 1:
@@ -77,6 +89,15 @@ class DraftModelProposer:
                 self.fed.append(int(token))
         ids = torch.cat(draft_ids).cpu()  # [k]
         return Proposal(ids, torch.stack(draft_probs).cpu() if draft_probs else None)
+
+    def _doubtful(self, logits: torch.Tensor, q: torch.Tensor | None, token: torch.Tensor) -> bool:
+        """Is the draft's own probability of its guess (q[token]; greedy: the plain softmax)
+        below `confidence`? The rule looks only at the draft's side, so a round's length is a
+        stopping time of the draft's draws and verification stays exact."""
+        if self.confidence <= 0.0:
+            return False
+        probs = q if q is not None else torch.softmax(logits.float(), dim=-1)  # [1, V]
+        return float(probs[0, token[0]]) < self.confidence
 
     def _catch_up(self, tokens: list[int]) -> torch.Tensor:
         """Feed the tokens the draft has not seen; return its logits after tokens[-1] [1, V]."""
