@@ -107,6 +107,17 @@ def test_runner_tree_pass_mask_positions_slots(tiny_pair, monkeypatch):
 # -- b. bitwise: tree pass vs chain pass --------------------------------------------------------
 
 
+def prefilled_tree(tiny_pair: tuple[str, str], dtype: torch.dtype):
+    """The tiny target with a 17-row runner after a 37-token prompt, and the test tree:
+    (model, runner, tree, base = the prompt length, the tree's slot offsets)."""
+    target, _ = tiny_pair
+    model = Engine.from_pretrained(target=target, method="none", dtype=dtype).target.model
+    runner = Runner(model, 256, rows=17)
+    tree = TokenTree(torch.tensor(TOKENS), torch.tensor(PARENTS))
+    runner.prefill(torch.arange(3, 40), span=100)
+    return model, runner, tree, runner.length, tree.slot_offsets()
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_tree_node_logits_vs_chain(tiny_pair, dtype):
     """Each node scored in a 17-row tree pass vs its path scored as a (17-row) chain pass.
@@ -115,13 +126,7 @@ def test_tree_node_logits_vs_chain(tiny_pair, dtype):
     first-child path; the drafter lays out its likeliest path this way) are bitwise equal;
     in float32, other nodes can differ in the last bits (SDPA sums keys in slot-dependent
     lanes), so only closeness is asserted for them."""
-    target, _ = tiny_pair
-    model = Engine.from_pretrained(target=target, method="none", dtype=dtype).target.model
-    runner = Runner(model, 256, rows=17)
-    tree = TokenTree(torch.tensor(TOKENS), torch.tensor(PARENTS))
-    runner.prefill(torch.arange(3, 40), span=100)
-    base = runner.length
-    offsets = tree.slot_offsets()
+    model, runner, tree, base, offsets = prefilled_tree(tiny_pair, dtype)
     in_tree = runner.tree_pass(tree.tokens, tree.depths, offsets, tree.region_mask(offsets))
     differing = []
     for i in range(tree.size):
@@ -318,13 +323,7 @@ def test_keep_path_compacts_like_a_chain(tiny_pair, dtype):
     """After a tree pass and keep_path(path), slots base..base+m-1 hold bitwise the KV that
     the tree pass wrote for the path's nodes, and that a chain pass of the path writes
     (path 0 -> 3 -> 10 -> 11: not contiguous, so the copy really moves slots)."""
-    target, _ = tiny_pair
-    model = Engine.from_pretrained(target=target, method="none", dtype=dtype).target.model
-    runner = Runner(model, 256, rows=17)
-    tree = TokenTree(torch.tensor(TOKENS), torch.tensor(PARENTS))
-    runner.prefill(torch.arange(3, 40), span=100)
-    base = runner.length
-    offsets = tree.slot_offsets()
+    model, runner, tree, base, offsets = prefilled_tree(tiny_pair, dtype)
     runner.tree_pass(tree.tokens, tree.depths, offsets, tree.region_mask(offsets))
     path = tree.path(11)
     assert path == [0, 3, 10, 11]
