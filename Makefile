@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: setup demo test lint bench clean
+.PHONY: setup demo test lint bench head clean
 
 setup: $(STAMP)
 
@@ -26,6 +26,10 @@ test: setup
 
 bench: setup
 	$(PY) -m understudy.cli bench --compare hf
+
+# method=eagle: train the default target's own prediction head (resumable; see README)
+head: setup
+	$(PY) -m understudy.cli train-head
 
 lint: setup
 	$(PY) -m ruff check src tests

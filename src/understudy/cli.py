@@ -16,6 +16,7 @@ from rich.console import Console
 from understudy.cli_bench import bench
 from understudy.cli_serve import serve
 from understudy.cli_simulate import simulate
+from understudy.cli_train_head import train_head_command
 
 app = typer.Typer(
     help="Lossless speculative decoding: a cheap drafter guesses, the target verifies.",
@@ -27,6 +28,9 @@ app.command("simulate", help="The theory: expected tokens per round, speedup and
     simulate
 )
 app.command("bench", help="Methods and peers side by side on the same prompts, with plots.")(bench)
+app.command(
+    "train-head", help="Train the target's own prediction head for method=eagle (resumable)."
+)(train_head_command)
 app.command("serve", help="Serve the engine over OpenAI's HTTP API, with the live Lab at /lab.")(
     serve
 )
@@ -45,14 +49,19 @@ def generate(
     target: Annotated[
         str | None, typer.Option(help="Target model: registry name, HF id, directory or .gguf.")
     ] = None,
-    draft: Annotated[str | None, typer.Option(help="Draft model (method=draft).")] = None,
-    method: Annotated[str, typer.Option(help="none | draft | ngram | suffix | hybrid")] = "draft",
+    draft: Annotated[
+        str | None,
+        typer.Option(help="Draft model (method=draft) or trained head folder (method=eagle)."),
+    ] = None,
+    method: Annotated[
+        str, typer.Option(help="none | draft | ngram | suffix | hybrid | eagle")
+    ] = "draft",
     k: Annotated[
         str,
         typer.Option(
             "-k", "--num-speculative-tokens", help="Tokens drafted per round: 1..64 or auto."
         ),
-    ] = "4",
+    ] = "auto",
     max_tokens: Annotated[int, typer.Option(help="Maximum new tokens.")] = 128,
     temperature: Annotated[float, typer.Option(help="0 = greedy.")] = 0.0,
     top_k: Annotated[int, typer.Option(help="0 = off.")] = 0,

@@ -108,6 +108,9 @@ class Engine:
         self.k = num_speculative_tokens
         self.max_context = max_context
         self.runner = Runner(target.model, max_context, rows=verify_rows)
+        # method="eagle": the proposer reads the target's hidden states of kept tokens
+        self.observe_hidden = getattr(proposer, "observe_hidden", None)
+        self.runner.keep_hidden = self.observe_hidden is not None
         self.tree = tree_enabled(proposer, verify_rows)
         self.rows_exact = exact  # the row budget is the hardware's default
         self.exact = exact and not self.tree  # see the module docstring
@@ -279,6 +282,8 @@ class Engine:
         yield from emitter.emit([first], "target", 0)
         if self.proposer is not None:
             self.proposer.begin(prompt_ids)
+        if self.observe_hidden is not None:
+            self.observe_hidden(self.runner.last_hidden, 0)  # the prompt's positions
         policy = AdaptiveK(self.runner.rows - 1, self.cost_ratio) if self.k == "auto" else None
         rounds = 0
         while not emitter.done:
@@ -299,6 +304,9 @@ class Engine:
                 logits = self.runner.extend(fed).cpu()  # [k'+1, V]
                 verdict = self._verify(proposal, logits, params, gen)
                 self.runner.truncate(len(tokens) + verdict.accepted)
+                if self.observe_hidden is not None:  # tokens[-1] and the kept guesses
+                    kept_hidden = self.runner.last_hidden[: verdict.accepted + 1]
+                    self.observe_hidden(kept_hidden, len(tokens) - 1)
                 accepted, next_token, path = verdict.accepted, verdict.next_token, None
                 bonus, depth = accepted == proposal.size, proposal.size
             else:

@@ -63,7 +63,8 @@ def measure_cost_ratio(engine: Engine, repeats: int = 5) -> float:
     """c = one draft step / one target pass, timed on a short dummy context (best of
     `repeats`, after a warm-up pass, so a busy machine disturbs it less), clamped to [0.01, 1]."""
     proposer = engine.proposer
-    if proposer is None or not hasattr(proposer, "runner"):
+    step_seconds = getattr(proposer, "step_seconds", None)  # drafters without a Runner
+    if proposer is None or not (hasattr(proposer, "runner") or step_seconds):
         return 0.0
     context = torch.arange(1, 33, device=engine.target.model.device)
 
@@ -79,10 +80,13 @@ def measure_cost_ratio(engine: Engine, repeats: int = 5) -> float:
             runner.truncate(context.shape[0])
         return min(times)
 
-    draft_step = best_of(proposer.runner, context[:1])
+    if step_seconds is not None:
+        draft_step = step_seconds(repeats)
+    else:
+        draft_step = best_of(proposer.runner, context[:1])
+        proposer.runner.truncate(0)
     target_pass = best_of(engine.runner, context[:1])
     engine.runner.truncate(0)
-    proposer.runner.truncate(0)
     return min(max(draft_step / target_pass, 0.01), 1.0)
 
 
@@ -154,6 +158,8 @@ def build_engine(
             if scheme is not None:
                 load_or_quantize(draft_model.model, None, scheme)
             proposer = drafter.from_models(target_model, draft_model, max_context, **options)
+        elif getattr(drafter, "takes_draft_path", False):  # e.g. eagle: draft = the head's folder
+            proposer = drafter.from_models(target_model, None, max_context, head=draft, **options)
         else:
             proposer = drafter.from_models(target_model, None, max_context, **options)
     engine = Engine(target_model, proposer, method, k, max_context, rows, exact)

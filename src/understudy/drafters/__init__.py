@@ -2,6 +2,7 @@
 
 from understudy.drafters import (
     draft_model,  # noqa: F401  (registers "draft")
+    eagle,  # noqa: F401  (registers "eagle")
     hybrid,  # noqa: F401  (registers "hybrid")
     ngram,  # noqa: F401  (registers "ngram")
     suffix,  # noqa: F401  (registers "suffix")

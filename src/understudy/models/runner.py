@@ -36,6 +36,10 @@ class Runner:
         self.length = 0
         self.slots = max_context + max(rows or 0, PREFILL_CHUNK)
         self.window: int | None = None  # fixed key window for this request (None: grows)
+        # keep_hidden: remember the final hidden states of the real rows of the latest pass
+        # (the whole prompt after `prefill`) in `last_hidden` [n, hidden], for method="eagle"
+        self.keep_hidden = False
+        self.last_hidden: torch.Tensor | None = None
         model.allocate_cache(self.slots)
 
     @property
@@ -55,7 +59,12 @@ class Runner:
         positions = torch.arange(start, start + rows, device=device)  # [rows]
         keys = max(self.window or 0, start + rows)
         mask = torch.arange(keys, device=device)[None, :] <= positions[:, None]  # [rows, L]
-        logits = self.model(padded, positions, positions, mask, logit_rows)
+        if self.keep_hidden:  # the same operations as Transformer.forward, hidden kept
+            hidden = self.model.hidden_states(padded, positions, positions, mask)  # [rows, H]
+            self.last_hidden = hidden[:n]
+            logits = self.model.lm_head(hidden[logit_rows]).float()
+        else:
+            logits = self.model(padded, positions, positions, mask, logit_rows)
         self.length = start + n
         return logits
 
@@ -120,9 +129,14 @@ class Runner:
         if self.rows is not None:
             need = (span or self.max_context) + self.rows
             self.window = min(self.slots, -(-need // WINDOW_QUANTUM) * WINDOW_QUANTUM)
+        hidden = []
         for begin in range(0, tokens.shape[0], PREFILL_CHUNK):
             chunk = tokens[begin : begin + PREFILL_CHUNK]
             logits = self._pass(chunk, chunk.shape[0], slice(chunk.shape[0] - 1, chunk.shape[0]))
+            if self.keep_hidden:
+                hidden.append(self.last_hidden)
+        if self.keep_hidden:
+            self.last_hidden = torch.cat(hidden)  # [n, hidden]: the whole prompt
         return logits[0]
 
     @torch.inference_mode()

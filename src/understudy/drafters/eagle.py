@@ -1,0 +1,150 @@
+"""method="eagle": the target's own trained head guesses K tokens from its hidden states.
+
+The engine hands this proposer the target's final hidden state of every token the target
+has scored and kept (`observe_hidden`, after the prefill and after each verification), so
+the proposer knows f_p for positions p = 0..len(tokens)-2 (the newest token is not scored
+yet). Invariant: the head's cache holds pairs (f_p, token p+1) with REAL features for
+positions 0..head.length-1, and head.length <= len(tokens) - 1.
+
+A round: feed the pairs the head has not seen (catch-up, one pass), take its prediction for
+the token after tokens[-1], then feed (its own predicted feature, its own guess) K-1 times;
+finally roll the head back to the real pairs, since the guesses' real features arrive from
+the target only if they are accepted.
+
+The draft vocabulary is the head's N most frequent target tokens: q is zero elsewhere,
+which rejection sampling handles like any other q (verify.py), so sampling stays exact.
+"""
+
+from __future__ import annotations
+
+import re
+import time
+from pathlib import Path
+
+import torch
+
+from understudy.config import SamplingParams, UnderstudyError
+from understudy.drafters.base import Proposal, register
+from understudy.drafters.ngram import take_options
+from understudy.models.eagle_head import CONFIG_FILE, EagleHead, load_head, read_head_config
+from understudy.models.fetch import cache_dir
+from understudy.models.loader import LoadedModel
+from understudy.sampling import sample, warp_probs
+
+
+def target_key(name: str) -> str:
+    """A folder name for a target spec ("qwen2.5-coder-1.5b", "Qwen/X", "/a/b.gguf")."""
+    return re.sub(r"[^A-Za-z0-9._-]+", "_", name.strip("/")) or "target"
+
+
+def default_head_dir(target_name: str) -> Path:
+    """Where `understudy train-head` writes the head of `target_name` without --out."""
+    return cache_dir() / "heads" / target_key(target_name)
+
+
+def find_head(target: LoadedModel, head: str | None) -> Path:
+    """The folder of the head to use: `head` if given, else the default one for the target."""
+    folder = Path(head).expanduser() if head else default_head_dir(target.name)
+    if not (folder / CONFIG_FILE).exists():
+        command = f"understudy train-head --target {target.name}"
+        if head:
+            raise UnderstudyError(
+                f"{folder} holds no trained head (train one: {command} --out {folder})"
+            )
+        raise UnderstudyError(
+            f"no trained head for target {target.name!r} yet: train one with `{command}` "
+            "(about an hour on a 2-core CPU), or pass draft=DIR"
+        )
+    cfg, _ = read_head_config(folder)
+    t = target.model.cfg
+    if (cfg.hidden_size, cfg.target_vocab_size) != (t.hidden_size, t.vocab_size):
+        raise UnderstudyError(
+            f"the head in {folder} was trained for another target "
+            f"(hidden {cfg.hidden_size}, vocabulary {cfg.target_vocab_size})"
+        )
+    return folder
+
+
+@register("eagle")
+class EagleProposer:
+    needs_draft_model = False
+    takes_draft_path = True  # `draft=DIR` names the head's folder
+
+    @classmethod
+    def from_models(
+        cls, target: LoadedModel, draft: LoadedModel | None, max_context: int, **options: object
+    ) -> EagleProposer:
+        opts = take_options("eagle", options, {"head": None})
+        folder = find_head(target, opts["head"])  # type: ignore[arg-type]
+        return cls(load_head(folder, target.model), max_context)
+
+    def __init__(self, head: EagleHead, max_context: int) -> None:
+        self.head = head
+        hidden = head.cfg.hidden_size
+        self.features = torch.zeros(max_context + 1, hidden)  # [P, hidden] f_p, real ones
+        self.known = 0  # features are valid for positions 0..known-1
+        head.allocate_cache(max_context + 1)
+        # draft vocabulary id -> target id, and the full-vocabulary logits buffer for sampling
+        self.vocab = head.vocab.cpu()  # [N]
+
+    def begin(self, prompt_ids: list[int]) -> None:
+        self.known = 0
+        self.head.truncate(0)
+
+    def observe_hidden(self, hidden: torch.Tensor, start: int) -> None:
+        """The target's final hidden states [n, hidden] of positions start..start+n-1."""
+        n = hidden.shape[0]
+        self.features[start : start + n] = hidden.float().cpu()
+        self.known = start + n
+        self.head.truncate(min(self.head.length, start))  # pairs past start used old features
+
+    def _guess(
+        self, predicted: torch.Tensor, params: SamplingParams, generator: torch.Generator
+    ) -> tuple[int, torch.Tensor | None]:
+        """One guess from a predicted feature [hidden]: (target token id, q [V] or None)."""
+        logits = self.head.draft_logits(predicted[None])[0].cpu()  # [N]
+        if params.greedy:
+            return int(self.vocab[int(logits.argmax())]), None
+        full = torch.full((self.head.cfg.target_vocab_size,), float("-inf"))  # [V]
+        full[self.vocab] = logits
+        q = warp_probs(full[None], params)  # [1, V]
+        return int(sample(q, generator)), q[0]
+
+    @torch.inference_mode()
+    def propose(
+        self, tokens: list[int], k: int, params: SamplingParams, generator: torch.Generator
+    ) -> Proposal:
+        head, real = self.head, len(tokens) - 1  # pairs with real features: 0..real-1
+        assert self.known >= real, (self.known, real)
+        start = head.length
+        predicted = head.extend(
+            torch.tensor(tokens[start + 1 : real + 1]), self.features[start:real]
+        )[-1]  # [hidden] f^ for the position of tokens[-1]
+        ids: list[int] = []
+        probs: list[torch.Tensor] = []
+        for i in range(k):
+            token, q = self._guess(predicted, params, generator)
+            ids.append(token)
+            if q is not None:
+                probs.append(q)
+            if i < k - 1:
+                predicted = head.extend(torch.tensor([token]), predicted[None])[0]
+        head.truncate(real)
+        return Proposal(torch.tensor(ids, dtype=torch.long), torch.stack(probs) if probs else None)
+
+    def commit(self, tokens: list[int]) -> None:
+        """Nothing to roll back: `propose` leaves only real pairs in the head's cache."""
+
+    def step_seconds(self, repeats: int = 5) -> float:
+        """One drafting step (a pair through the head and its LM rows), best of `repeats`."""
+        head = self.head
+        hidden = torch.zeros(1, head.cfg.hidden_size)
+        head.allocate_cache(self.features.shape[0])
+        times = []
+        with torch.inference_mode():
+            for _ in range(repeats + 1):
+                t0 = time.perf_counter()
+                head.draft_logits(head.extend(torch.zeros(1, dtype=torch.long), hidden))
+                times.append(time.perf_counter() - t0)
+        head.truncate(0)
+        return min(times[1:])

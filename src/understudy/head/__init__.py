@@ -1,0 +1,1 @@
+"""The target's own prediction head (method="eagle"): corpus, cached features, training."""

@@ -1,0 +1,208 @@
+"""Train an EagleHead on cached target features (head/features.py): distillation.
+
+For pair t (f_t, token t+1) the head predicts f^_{t+1}. Two losses, both against the
+target's own outputs, never against the corpus text:
+  - classification: cross-entropy between the target's next-token distribution,
+    softmax(lm(f_{t+1})), and the head's, softmax(lm(f^_{t+1})), both over the draft
+    vocabulary (lm = the target's LM rows);
+  - regression: smooth-L1 between f^_{t+1} and f_{t+1}, in units of the features' std.
+Drafting feeds the head its own predictions, so training unrolls `unroll` steps (cf.
+EAGLE-3's training-time test): step s feeds the predictions of step s-1 as the features,
+and every step is scored against the real features and distributions.
+
+The metric that matters is `agree@s`: how often the head's argmax at step s equals the
+target's argmax (the acceptance rate of greedy drafting at depth s, on held-out sequences).
+
+Checkpoints (`checkpoint.pt`: head, optimizer, step, config) are written every
+`checkpoint_every` steps and at the end of every epoch; `train` resumes from one if present.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from tqdm import tqdm
+
+from understudy.models.eagle_head import EagleHead
+
+CHECKPOINT = "checkpoint.pt"
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    epochs: int = 6
+    batch: int = 2  # sequences per step
+    lr: float = 6e-4
+    warmup: int = 50  # steps
+    unroll: int = 2
+    reg_weight: float = 1.0
+    weight_decay: float = 0.0
+    seed: int = 0
+    checkpoint_every: int = 100
+
+
+def choose_vocab(
+    argmax: torch.Tensor, tokens: torch.Tensor, vocab_size: int, size: int
+) -> torch.Tensor:
+    """The `size` token ids the target predicts most often (ties: most frequent in the text),
+    sorted ascending. argmax, tokens: any shape, int."""
+    counts = torch.bincount(argmax.flatten().long(), minlength=vocab_size).double()
+    counts += 1e-3 * torch.bincount(tokens.flatten().long(), minlength=vocab_size).double()
+    return torch.topk(counts, min(size, vocab_size)).indices.sort().values
+
+
+def _lr_at(step: int, total: int, cfg: TrainConfig) -> float:
+    if step < cfg.warmup:
+        return cfg.lr * (step + 1) / cfg.warmup
+    progress = (step - cfg.warmup) / max(1, total - cfg.warmup)
+    return cfg.lr * 0.5 * (1.0 + math.cos(math.pi * min(1.0, progress)))
+
+
+def unrolled_losses(
+    head: EagleHead,
+    tokens: torch.Tensor,  # [B, T] int64
+    features: torch.Tensor,  # [B, T, hidden] float32
+    target_argmax: torch.Tensor,  # [B, T] int64 (target vocabulary ids)
+    unroll: int,
+    feature_scale: float,
+    reg_weight: float,
+) -> tuple[torch.Tensor, list[float]]:
+    """Total loss over `unroll` steps and the argmax agreement at each step."""
+    # target at step s for input pair t: f_{t+s}, distribution of token t+s+1
+    inputs = features[:, :-1]  # [B, T-1, H] f_t
+    total = features.new_zeros(())
+    agree = []
+    vocab_index = torch.full((head.cfg.target_vocab_size,), -1, dtype=torch.long)
+    vocab_index[head.vocab.cpu()] = torch.arange(head.vocab.shape[0])
+    with torch.no_grad():  # the target's distributions of tokens 2..T, shared by all steps
+        target_probs = torch.softmax(head.draft_logits(features[:, 1:]), dim=-1)  # [B, T-1, N]
+    for s in range(1, unroll + 1):
+        t = features.shape[1] - s  # pairs with a target at this step
+        if t <= 0:
+            break
+        predicted = head.sequence(tokens[:, s : s + t], inputs[:, :t])  # [B, t, H]
+        real = features[:, s : s + t]  # [B, t, H]
+        logp = torch.log_softmax(head.draft_logits(predicted), dim=-1)  # [B, t, N]
+        cls = -(target_probs[:, s - 1 : s - 1 + t] * logp).sum(-1).mean()
+        reg = F.smooth_l1_loss(predicted / feature_scale, real / feature_scale)
+        total = total + cls + reg_weight * reg
+        want = vocab_index[target_argmax[:, s : s + t]]  # [B, t], -1 = outside the vocab
+        agree.append(float((logp.argmax(-1) == want).float().mean()))
+        inputs = predicted  # the next step sees the head's own predictions
+    return total / unroll, agree
+
+
+@torch.no_grad()
+def evaluate(
+    head: EagleHead, data: dict[str, torch.Tensor], cfg: TrainConfig, feature_scale: float
+) -> list[float]:
+    """Mean argmax agreement per unrolled step on `data` (held-out sequences)."""
+    sums: list[float] = []
+    n = data["tokens"].shape[0]
+    for i in range(n):
+        _, agree = unrolled_losses(
+            head,
+            data["tokens"][i : i + 1].long(),
+            data["features"][i : i + 1].float(),
+            data["argmax"][i : i + 1].long(),
+            cfg.unroll,
+            feature_scale,
+            cfg.reg_weight,
+        )
+        sums = [a + b for a, b in zip(sums, agree, strict=True)] if sums else agree
+    return [s / max(1, n) for s in sums]
+
+
+def train(
+    head: EagleHead,
+    train_data: dict[str, torch.Tensor],
+    val_data: dict[str, torch.Tensor],
+    cfg: TrainConfig,
+    folder: Path,
+    progress: bool = True,
+) -> dict[str, object]:
+    """Train `head` in place; returns the facts worth keeping (config, losses, agreement)."""
+    torch.manual_seed(cfg.seed)
+    folder.mkdir(parents=True, exist_ok=True)
+    n = train_data["tokens"].shape[0]
+    steps_per_epoch = max(1, n // cfg.batch)
+    total_steps = steps_per_epoch * cfg.epochs
+    feature_scale = float(train_data["features"][: min(n, 8)].float().std())
+    params = [p for p in head.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
+    step, history, spent = 0, [], 0.0
+    checkpoint = folder / CHECKPOINT
+    if checkpoint.exists():
+        saved = torch.load(checkpoint, weights_only=False)
+        if saved["config"] == asdict(cfg):
+            head.load_state_dict(saved["head"])
+            optimizer.load_state_dict(saved["optimizer"])
+            step, history, spent = saved["step"], saved["history"], saved["seconds"]
+
+    def save() -> None:
+        state = {
+            "head": head.state_dict(),
+            "optimizer": optimizer.state_dict(),
+            "step": step,
+            "history": history,
+            "seconds": spent,
+            "config": asdict(cfg),
+        }
+        torch.save(state, checkpoint.with_suffix(".tmp"))
+        checkpoint.with_suffix(".tmp").rename(checkpoint)
+
+    head.train()
+    bar = tqdm(
+        total=total_steps, initial=step, unit="step", desc="train head", disable=not progress
+    )
+    while step < total_steps:
+        epoch, offset = divmod(step, steps_per_epoch)
+        order = torch.randperm(n, generator=torch.Generator().manual_seed(cfg.seed + epoch))
+        rows = order[offset * cfg.batch : (offset + 1) * cfg.batch]
+        t0 = time.perf_counter()
+        for group in optimizer.param_groups:
+            group["lr"] = _lr_at(step, total_steps, cfg)
+        loss, agree = unrolled_losses(
+            head,
+            train_data["tokens"][rows].long(),
+            train_data["features"][rows].float(),
+            train_data["argmax"][rows].long(),
+            cfg.unroll,
+            feature_scale,
+            cfg.reg_weight,
+        )
+        optimizer.zero_grad()
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
+        optimizer.step()
+        spent += time.perf_counter() - t0
+        step += 1
+        bar.update(1)
+        bar.set_postfix(loss=f"{loss.item():.3f}", agree1=f"{agree[0]:.2f}")
+        end_of_epoch = step % steps_per_epoch == 0
+        if end_of_epoch:
+            head.eval()
+            val = evaluate(head, val_data, cfg, feature_scale)
+            head.train()
+            history.append({"epoch": step // steps_per_epoch, "step": step, "val_agree": val})
+            bar.write(f"epoch {step // steps_per_epoch}: held-out agreement per step {val}")
+        if end_of_epoch or step % cfg.checkpoint_every == 0:
+            save()
+    bar.close()
+    head.eval()
+    return {
+        "train": asdict(cfg),
+        "train_sequences": n,
+        "train_tokens": n * train_data["tokens"].shape[1],
+        "train_seconds": round(spent, 1),
+        "feature_scale": feature_scale,
+        "history": history,
+        "val_agree": history[-1]["val_agree"]
+        if history
+        else evaluate(head, val_data, cfg, feature_scale),
+    }

@@ -1,0 +1,226 @@
+"""A small network on the target's own hidden states that guesses the target's next tokens
+(EAGLE, Li et al. 2024): the drafter of method="eagle".
+
+Vocabulary: f_t is the target's final hidden state at position t (after its last norm, the
+input of its LM head), so lm_head(f_t) are the target's logits for token t+1. The head maps
+the pair (f_t, token t+1) to a prediction of f_{t+1}, whose logits guess token t+2:
+
+    x   = fc([emb_norm(embed(token_{t+1})), feat_norm(f_t)])       [R, hidden]
+    x   = one decoder block (causal attention over earlier pairs)   [R, hidden]
+    f^  = norm(x)                                                   [R, hidden]
+    q   = lm(f^)   over a reduced draft vocabulary of N token ids   [R, N]
+
+`lm` holds rows of the target's own LM head (frozen, not saved: rebuilt from the target at
+load) for the N token ids the target predicts most often (`vocab`), which cuts the head's
+largest cost. To draft several tokens the head feeds its own f^ back as the next feature.
+
+The block is models/transformer.py's Block (the same attention and MLP code as the target),
+with its own slot-indexed KV cache of pairs: pair p (feature of position p, token p + 1)
+sits at slot p and rotary position p. Invariant: the cache holds valid pairs for positions
+0..length-1; `truncate` rolls back by position arithmetic, like Runner.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+from torch import nn
+
+from understudy.models.transformer import Block, RMSNorm, Transformer, TransformerConfig
+
+WEIGHTS_FILE = "head.safetensors"
+CONFIG_FILE = "config.json"
+
+
+@dataclass(frozen=True)
+class HeadConfig:
+    hidden_size: int
+    intermediate_size: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    draft_vocab_size: int  # N: rows of the target's LM head the head scores
+    target_vocab_size: int
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    attention_bias: bool = True
+
+    @classmethod
+    def for_target(
+        cls, target: TransformerConfig, intermediate: int, draft_vocab: int
+    ) -> HeadConfig:
+        return cls(
+            hidden_size=target.hidden_size,
+            intermediate_size=intermediate,
+            num_heads=target.num_heads,
+            num_kv_heads=target.num_kv_heads,
+            head_dim=target.head_dim,
+            draft_vocab_size=min(draft_vocab, target.vocab_size),
+            target_vocab_size=target.vocab_size,
+            rms_norm_eps=target.rms_norm_eps,
+            rope_theta=target.rope_theta,
+            attention_bias=target.attention_bias,
+        )
+
+    def block_config(self) -> TransformerConfig:
+        return TransformerConfig(
+            vocab_size=self.target_vocab_size,
+            hidden_size=self.hidden_size,
+            intermediate_size=self.intermediate_size,
+            num_layers=1,
+            num_heads=self.num_heads,
+            num_kv_heads=self.num_kv_heads,
+            head_dim=self.head_dim,
+            rms_norm_eps=self.rms_norm_eps,
+            rope_theta=self.rope_theta,
+            attention_bias=self.attention_bias,
+        )
+
+
+class EagleHead(nn.Module):
+    """See the module docstring. `embed` is the target's token embedding (shared, frozen)."""
+
+    def __init__(self, cfg: HeadConfig, embed: nn.Embedding) -> None:
+        super().__init__()
+        self.cfg = cfg
+        h = cfg.hidden_size
+        self.embed = [embed]  # a list: the target's module, not a submodule of the head
+        self.emb_norm = RMSNorm(h, cfg.rms_norm_eps)
+        self.feat_norm = RMSNorm(h, cfg.rms_norm_eps)
+        self.fc = nn.Linear(2 * h, h, bias=False)
+        self.block = Block(cfg.block_config())
+        self.norm = RMSNorm(h, cfg.rms_norm_eps)
+        self.lm = nn.Linear(h, cfg.draft_vocab_size, bias=False)
+        self.lm.weight.requires_grad_(False)
+        self.register_buffer("vocab", torch.arange(cfg.draft_vocab_size))  # [N] target ids
+        exponents = torch.arange(0, cfg.head_dim, 2, dtype=torch.float32)
+        self.inv_freq = 1.0 / (cfg.rope_theta ** (exponents / cfg.head_dim))  # [D/2]
+        self.k_cache: torch.Tensor | None = None  # [kv_heads, S, head_dim]
+        self.v_cache: torch.Tensor | None = None
+        self.length = 0
+
+    # -- the network -----------------------------------------------------------------------
+
+    def rotary(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        freqs = positions.float()[:, None] * self.inv_freq.to(positions.device)[None]  # [R, D/2]
+        emb = torch.cat((freqs, freqs), dim=-1)  # [R, D]
+        dtype = self.fc.weight.dtype
+        return emb.cos().to(dtype), emb.sin().to(dtype)
+
+    def step(
+        self,
+        tokens: torch.Tensor,  # [R] token t+1 of each pair
+        features: torch.Tensor,  # [R, hidden] f_t of each pair
+        positions: torch.Tensor,  # [R]
+        slots: torch.Tensor,  # [R]
+        mask: torch.Tensor,  # [R, L]
+        k_cache: torch.Tensor,  # [kv_heads, S, head_dim]
+        v_cache: torch.Tensor,  # [kv_heads, S, head_dim]
+    ) -> torch.Tensor:
+        """Predicted next features f^ [R, hidden]; writes the pairs' keys/values to `slots`."""
+        with torch.no_grad():  # the target's embedding is frozen
+            emb = self.embed[0](tokens).to(features.dtype)  # [R, hidden]
+        x = self.fc(torch.cat([self.emb_norm(emb), self.feat_norm(features)], dim=-1))
+        cos, sin = self.rotary(positions)
+        block = self.block
+        x = x + block.attn(block.attn_norm(x), cos, sin, slots, mask, k_cache, v_cache)
+        x = x + block.mlp(block.mlp_norm(x))
+        return self.norm(x)
+
+    def draft_logits(self, predicted: torch.Tensor) -> torch.Tensor:
+        """[R, hidden] predicted features -> [R, N] float32 logits over the draft vocabulary."""
+        return self.lm(predicted).float()
+
+    def sequence(self, tokens: torch.Tensor, features: torch.Tensor) -> torch.Tensor:
+        """Training: whole sequences, causal. tokens [B, T], features [B, T, hidden] ->
+        predicted features [B, T, hidden] (row t predicts f_{t+1} from pairs 0..t)."""
+        b, t = tokens.shape
+        cfg = self.cfg
+        positions = torch.arange(t, device=tokens.device)
+        causal = torch.ones(t, t, dtype=torch.bool, device=tokens.device).tril()
+        out = []
+        for i in range(b):
+            shape = (cfg.num_kv_heads, t, cfg.head_dim)
+            k_cache = torch.zeros(shape, dtype=features.dtype, device=features.device)
+            v_cache = torch.zeros(shape, dtype=features.dtype, device=features.device)
+            out.append(
+                self.step(tokens[i], features[i], positions, positions, causal, k_cache, v_cache)
+            )
+        return torch.stack(out)
+
+    # -- inference: a KV cache of pairs ------------------------------------------------------
+
+    def allocate_cache(self, slots: int) -> None:
+        cfg, weight = self.cfg, self.fc.weight
+        if self.k_cache is None or self.k_cache.shape[1] != slots:
+            shape = (cfg.num_kv_heads, slots, cfg.head_dim)
+            self.k_cache = torch.zeros(shape, dtype=weight.dtype, device=weight.device)
+            self.v_cache = torch.zeros(shape, dtype=weight.dtype, device=weight.device)
+        self.length = 0
+
+    def truncate(self, length: int) -> None:
+        assert 0 <= length <= self.length, (length, self.length)
+        self.length = length
+
+    @torch.inference_mode()
+    def extend(self, tokens: torch.Tensor, features: torch.Tensor) -> torch.Tensor:
+        """Feed pairs (features [n, hidden], tokens [n]) at positions length..length+n-1;
+        return the predicted next features [n, hidden]."""
+        assert self.k_cache is not None and self.v_cache is not None, "allocate_cache first"
+        n, start = tokens.shape[0], self.length
+        assert start + n <= self.k_cache.shape[1], "the head's cache is full"
+        device = self.fc.weight.device
+        positions = torch.arange(start, start + n, device=device)
+        mask = torch.arange(start + n, device=device)[None, :] <= positions[:, None]  # [n, L]
+        out = self.step(
+            tokens.to(device),
+            features.to(device, self.fc.weight.dtype),
+            positions,
+            positions,
+            mask,
+            self.k_cache,
+            self.v_cache,
+        )
+        self.length = start + n
+        return out
+
+
+# -- files ---------------------------------------------------------------------------------
+
+
+def lm_rows(target: Transformer, vocab: torch.Tensor) -> torch.Tensor:
+    """The target LM head's rows for token ids `vocab` [N] -> [N, hidden] (a copy)."""
+    weight = target.lm_head.weight  # a dense copy when the target's linears are packed
+    return weight.detach()[vocab.to(weight.device)].clone()
+
+
+def save_head(head: EagleHead, folder: Path, meta: dict[str, object]) -> None:
+    """Write head.safetensors (the trained weights and the vocabulary; not the LM rows, which
+    are the target's) and config.json (the HeadConfig and `meta`: training facts)."""
+    folder.mkdir(parents=True, exist_ok=True)
+    state = {
+        k: v.detach().contiguous().cpu() for k, v in head.state_dict().items() if k != "lm.weight"
+    }
+    save_file(state, str(folder / WEIGHTS_FILE))
+    payload = {"head": asdict(head.cfg), "meta": meta}
+    (folder / CONFIG_FILE).write_text(json.dumps(payload, indent=2) + "\n")
+
+
+def read_head_config(folder: Path) -> tuple[HeadConfig, dict[str, object]]:
+    payload = json.loads((folder / CONFIG_FILE).read_text())
+    return HeadConfig(**payload["head"]), dict(payload.get("meta", {}))
+
+
+def load_head(folder: Path, target: Transformer) -> EagleHead:
+    """Load a trained head for `target` (its embedding and LM rows are taken from it)."""
+    cfg, _ = read_head_config(folder)
+    head = EagleHead(cfg, target.embed)
+    state = load_file(str(folder / WEIGHTS_FILE))
+    missing, unexpected = head.load_state_dict(state, strict=False)
+    assert set(missing) == {"lm.weight"} and not unexpected, (missing, unexpected)
+    head.lm.weight.data = lm_rows(target, head.vocab)
+    return head.to(device=target.device, dtype=target.dtype).eval()

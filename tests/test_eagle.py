@@ -1,0 +1,223 @@
+"""method="eagle": a head trained on the target's own hidden states drafts; the target decides.
+
+A real (tiny) pipeline: the target writes its training text, its features are extracted and
+cached, the head is trained and saved, and the engine loads it from disk. Then the same
+proofs as every method: greedy output equals plain decoding, and the sampled joint law of
+the first 3 tokens is the target's (chi-squared, p > 0.001), with a mutation that fails it.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from test_cli import cli
+from test_exactness import P_THRESHOLD, WARPS, goodness_of_fit, random_prompts
+from understudy import Engine, SamplingParams, UnderstudyError
+from understudy.head.features import target_features
+from understudy.head.pipeline import HeadSettings, train_head
+from understudy.head.train import TrainConfig, evaluate
+from understudy.models.eagle_head import EagleHead, load_head
+from understudy.models.loader import load_model
+
+SETTINGS = HeadSettings(
+    intermediate_size=96,
+    draft_vocab_size=256,
+    train=TrainConfig(epochs=8, batch=4, lr=3e-3, warmup=5, checkpoint_every=1000),
+)
+
+
+def target_written_text(target: str, count: int, seed: int, temperature: float) -> list[list[int]]:
+    """Random 8-token prompts continued by the target itself: 64-token training sequences."""
+    plain = Engine.from_pretrained(target=target, method="none", dtype="float32")
+    gen = torch.Generator().manual_seed(seed)
+    sequences = []
+    for i in range(count):
+        prompt = torch.randint(1, 300, (8,), generator=gen).tolist()
+        params = SamplingParams(max_tokens=56, temperature=temperature, seed=i, ignore_eos=True)
+        sequences.append(prompt + plain.generate(prompt, params).token_ids)
+    return sequences
+
+
+@pytest.fixture(scope="module")
+def trained(tiny_pair, tmp_path_factory) -> tuple[str, Path, dict]:
+    target, _ = tiny_pair
+    folder = tmp_path_factory.mktemp("eagle") / "head"
+    sequences = target_written_text(target, 40, seed=0, temperature=0.0)
+    meta = train_head(load_model(target, "float32"), sequences, folder, "test", SETTINGS, False)
+    return target, folder, meta
+
+
+def test_training_learns_the_targets_next_tokens(trained):
+    """Held-out argmax agreement of the trained head is far above an untrained one's."""
+    target, folder, meta = trained
+    model = load_model(target, "float32").model
+    held_out = torch.tensor(target_written_text(target, 4, seed=99, temperature=0.0))
+    pairs = [target_features(model, row) for row in held_out]
+    data = {
+        "tokens": held_out,
+        "features": torch.stack([f for f, _ in pairs]),
+        "argmax": torch.stack([a for _, a in pairs]),
+    }
+    trained_head = load_head(folder, model)
+    untrained = EagleHead(trained_head.cfg, model.embed)
+    untrained.vocab.copy_(trained_head.vocab)
+    untrained.lm.weight.data = trained_head.lm.weight.data.clone()
+    scale = float(meta["feature_scale"])
+    good = evaluate(trained_head, data, SETTINGS.train, scale)
+    bad = evaluate(untrained.eval(), data, SETTINGS.train, scale)
+    assert good[0] > 0.3 and good[0] > bad[0] + 0.25, (good, bad)  # measured: 0.44 vs 0.004
+    assert len(meta["val_agree"]) == SETTINGS.train.unroll
+
+
+def test_saved_files_and_resume(trained, tiny_pair):
+    """A second run reuses the cached features and the finished checkpoint: no new work."""
+    target, folder, meta = trained
+    shards = sorted((folder / "features-test-64").glob("features-*.safetensors"))
+    assert shards and (folder / "head.safetensors").exists() and (folder / "checkpoint.pt").exists()
+    stamps = [p.stat().st_mtime_ns for p in shards]
+    sequences = target_written_text(target, 40, seed=0, temperature=0.0)
+    again = train_head(load_model(target, "float32"), sequences, folder, "test", SETTINGS, False)
+    assert [p.stat().st_mtime_ns for p in shards] == stamps
+    assert again["train_seconds"] == meta["train_seconds"]  # resumed at the last step
+    assert again["val_agree"] == meta["val_agree"]
+
+
+def test_inference_sees_what_training_saw(trained):
+    """Each round's first guess is the training path's argmax at the same position (so the
+    features reach the head at the right positions through the engine's rounds)."""
+    target, folder, _ = trained
+    engine = Engine.from_pretrained(
+        target=target, method="eagle", draft=str(folder), dtype="float32", num_speculative_tokens=3
+    )
+    params = SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True)
+    prompt = random_prompts(1, seed=5)[0]
+    rounds = []
+    out = engine.stream(prompt, params, on_round=rounds.append)
+    generated = [event.token_id for event in out]
+    sequence = torch.tensor(prompt + generated)
+    model = load_model(target, "float32").model
+    head = load_head(folder, model)
+    features, _ = target_features(model, sequence)
+    with torch.no_grad():
+        predicted = head.sequence(sequence[None, 1:], features[None, :-1])[0]  # f^ for 1..n-1
+    guesses = head.vocab[head.draft_logits(predicted).argmax(-1)]  # guesses[j]: token j + 2
+    length = len(prompt) + 1
+    checked = 0
+    for r in rounds:
+        if r.drafted:  # the last round may have no room to draft
+            assert r.drafted[0] == int(guesses[length - 2]), r
+            checked += 1
+        length += r.accepted + 1
+    assert checked >= 5
+
+
+@pytest.mark.parametrize("k", [1, 3, 5, "auto"])
+def test_greedy_identity(trained, k):
+    target, folder, _ = trained
+    engine = Engine.from_pretrained(
+        target=target, method="eagle", draft=str(folder), dtype="float32", num_speculative_tokens=k
+    )
+    assert engine.exact
+    plain = engine.with_method("none")
+    params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
+    accepted = 0
+    for prompt in random_prompts(4, seed=11):
+        out = engine.generate(prompt, params)
+        assert out.token_ids == plain.generate(prompt, params).token_ids
+        accepted += out.stats.accepted
+    assert accepted > 0
+
+
+def test_missing_head_says_how_to_train_one(tiny_pair, tmp_path, monkeypatch):
+    monkeypatch.setenv("UNDERSTUDY_CACHE", str(tmp_path))
+    target, _ = tiny_pair
+    with pytest.raises(UnderstudyError, match="understudy train-head --target"):
+        Engine.from_pretrained(target=target, method="eagle", dtype="float32")
+    with pytest.raises(UnderstudyError, match="holds no trained head"):
+        Engine.from_pretrained(target=target, method="eagle", draft=str(tmp_path), dtype="float32")
+
+
+def test_head_of_another_target_is_refused(trained, tmp_path):
+    target, folder, _ = trained
+    other = tmp_path / "other"
+    shutil.copytree(folder, other, ignore=shutil.ignore_patterns("features-*", "*.pt"))
+    config = json.loads((other / "config.json").read_text())
+    config["head"]["target_vocab_size"] += 1
+    (other / "config.json").write_text(json.dumps(config))
+    with pytest.raises(UnderstudyError, match="another target"):
+        Engine.from_pretrained(target=target, method="eagle", draft=str(other), dtype="float32")
+
+
+# -- sampling: the joint law of the first three tokens ----------------------------------------
+
+
+@pytest.fixture(scope="module")
+def sampling_eagle(tmp_path_factory):
+    """A head trained on the target's sampled text: its q overlaps p, yet differs often."""
+    from conftest import make_tiny_pair
+
+    target, _ = make_tiny_pair(
+        tmp_path_factory.mktemp("eagle_sampling"), seed=5, noise=0.5, tokenizer=False
+    )
+    folder = tmp_path_factory.mktemp("eagle_sampling_head")
+    sequences = target_written_text(target, 40, seed=1, temperature=1.0)
+    train_head(load_model(target, "float32"), sequences, folder, "test", SETTINGS, False)
+    return Engine.from_pretrained(
+        target=target, method="eagle", draft=str(folder), dtype="float32", num_speculative_tokens=2
+    )
+
+
+@pytest.mark.parametrize("warp", list(WARPS))
+def test_sampling_matches_target_law(sampling_eagle, warp):
+    """N = 1500 samples of (x1, x2, x3); chi-squared goodness of fit, p > 0.001."""
+    params = SamplingParams(ignore_eos=True, **WARPS[warp])
+    pvalue = goodness_of_fit(sampling_eagle, [11, 42, 7], params, samples=1500)
+    assert pvalue > P_THRESHOLD, f"{warp}: p = {pvalue:.2e}"
+
+
+def test_wrong_verifier_fails_the_same_test(sampling_eagle, monkeypatch):
+    """Mutation check: resampling from p instead of the residual max(0, p - q) after a
+    rejected guess of the head is detected by the same test."""
+    import understudy.engine as engine_module
+    from understudy.sampling import sample
+    from understudy.verify import Verdict
+
+    def wrong_verify(draft_ids, draft_probs, target_probs, generator):
+        k = draft_ids.shape[0]
+        for i in range(k):
+            p, q = target_probs[i, draft_ids[i]], draft_probs[i, draft_ids[i]]
+            if float(torch.rand(1, generator=generator)) * float(q) >= float(p):
+                return Verdict(i, int(sample(target_probs[i : i + 1], generator)))  # WRONG
+        return Verdict(k, int(sample(target_probs[k : k + 1], generator)))
+
+    monkeypatch.setattr(engine_module, "verify_sampling", wrong_verify)
+    params = SamplingParams(ignore_eos=True, **WARPS["top_k"])
+    pvalue = goodness_of_fit(sampling_eagle, [11, 42, 7], params, samples=1500)
+    assert pvalue < P_THRESHOLD, f"the wrong verifier was not detected (p = {pvalue:.3f})"
+
+
+# -- the command line ------------------------------------------------------------------------
+
+
+def test_train_head_and_generate_from_the_command_line(tiny_pair, tmp_path):
+    target, _ = tiny_pair
+    corpus = tmp_path / "corpus.py"
+    corpus.write_text("def add(a, b):\n    return a + b\n\n" * 40)
+    out = tmp_path / "head"
+    common = ["--target", target, "--out", str(out), "--no-progress"]
+    small = ["--tokens", "256", "--seq-len", "32", "--epochs", "1", "--intermediate-size", "32"]
+    trained = cli("train-head", *common, "--data", str(corpus), *small, "--draft-vocab", "64")
+    assert trained.returncode == 0, trained.stderr
+    assert "--method eagle" in trained.stderr and (out / "head.safetensors").exists()
+    prompt = ["def add(a, b):", "--target", target, "--dtype", "float32", "--json"]
+    fast = cli("generate", *prompt, "--method", "eagle", "--draft", str(out), "--max-tokens", "12")
+    slow = cli("generate", *prompt, "--method", "none", "--max-tokens", "12")
+    assert fast.returncode == 0, fast.stderr
+    assert json.loads(fast.stdout)["token_ids"] == json.loads(slow.stdout)["token_ids"]
+    bad = cli("train-head", *common, "--data", str(tmp_path / "missing"))
+    assert bad.returncode == 2 and "no such file" in bad.stderr
