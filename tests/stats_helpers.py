@@ -48,3 +48,20 @@ def chisquare_pvalue(observed, probs, min_expected: float = MIN_EXPECTED) -> flo
     if len(obs_cells) < 2:  # one cell holds all the mass: nothing to test beyond support
         return 1.0
     return float(chisquare(obs_cells, exp_cells).pvalue)
+
+
+def resample_from_p_verify(draft_ids, draft_probs, target_probs, generator):
+    """A subtly WRONG `verify_sampling` for mutation checks: after rejecting a guess it
+    resamples from the target's p instead of the residual max(0, p - q). Same signature and
+    return type as understudy.verify.verify_sampling."""
+    import torch
+
+    from understudy.sampling import sample
+    from understudy.verify import Verdict
+
+    k = draft_ids.shape[0]
+    for i in range(k):
+        p, q = target_probs[i, draft_ids[i]], draft_probs[i, draft_ids[i]]
+        if float(torch.rand(1, generator=generator)) * float(q) >= float(p):
+            return Verdict(i, int(sample(target_probs[i : i + 1], generator)))  # WRONG
+    return Verdict(k, int(sample(target_probs[k : k + 1], generator)))

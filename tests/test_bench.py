@@ -53,9 +53,25 @@ def invoke(tiny_pair, prompt_file: Path, out: Path, *extra: str):
     return CliRunner().invoke(app(), args)
 
 
+def tiny_head(target: str, folder: Path) -> Path:
+    """A barely trained method=eagle head for the tiny target (enough to run, not to guess)."""
+    import torch
+
+    from understudy.head.pipeline import HeadSettings, train_head
+    from understudy.head.train import TrainConfig
+    from understudy.models.loader import load_model
+
+    sequences = torch.randint(1, 300, (4, 16), generator=torch.Generator().manual_seed(0))
+    settings = HeadSettings(32, 64, TrainConfig(epochs=1, batch=2, warmup=1))
+    train_head(load_model(target, "float32"), sequences.tolist(), folder, "t", settings, False)
+    return folder
+
+
 def test_bench_tiny_end_to_end(tiny_pair, prompt_file, tmp_path):
     out = tmp_path / "results"
-    methods = [*DRAFTERS, "draft:k=2"]  # every registered method, and one with a fixed K
+    head = tiny_head(tiny_pair[0], tmp_path / "head")
+    # every registered method (eagle with its head), and one with a fixed K
+    methods = [m if m != "eagle" else f"eagle:head={head}" for m in DRAFTERS] + ["draft:k=2"]
     result = invoke(tiny_pair, prompt_file, out, "--methods", ",".join(methods), "--compare", "hf")
     assert result.exit_code == 0, result.output
     res = json.loads((out / "results.json").read_text())

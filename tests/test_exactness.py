@@ -195,18 +195,9 @@ def test_speculative_sampling_matches_target_law(sampling_engine, warp):
 def test_wrong_verifier_fails_the_same_test(sampling_engine, monkeypatch):
     """Mutation check: resampling from p instead of the residual max(0, p - q) is detected."""
     import understudy.engine as engine_module
-    from understudy.sampling import sample
-    from understudy.verify import Verdict
+    from stats_helpers import resample_from_p_verify
 
-    def wrong_verify(draft_ids, draft_probs, target_probs, generator):
-        k = draft_ids.shape[0]
-        for i in range(k):
-            p, q = target_probs[i, draft_ids[i]], draft_probs[i, draft_ids[i]]
-            if float(torch.rand(1, generator=generator)) * float(q) >= float(p):
-                return Verdict(i, int(sample(target_probs[i : i + 1], generator)))  # WRONG
-        return Verdict(k, int(sample(target_probs[k : k + 1], generator)))
-
-    monkeypatch.setattr(engine_module, "verify_sampling", wrong_verify)
+    monkeypatch.setattr(engine_module, "verify_sampling", resample_from_p_verify)
     params = SamplingParams(ignore_eos=True, **WARPS["top_k"])
     pvalue = goodness_of_fit(sampling_engine, [11, 42, 7], params, samples=1500)
     assert pvalue < P_THRESHOLD, f"the wrong verifier was not detected (p = {pvalue:.3f})"

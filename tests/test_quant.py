@@ -332,17 +332,8 @@ def test_sampling_with_quantized_draft_has_target_law(int4_engine, plain_samples
 def test_wrong_verifier_fails_the_same_test(int4_engine, plain_samples, monkeypatch):
     """Mutation check (the test has power): resampling from p instead of the residual."""
     import understudy.engine as engine_module
-    from understudy.sampling import sample
-    from understudy.verify import Verdict
+    from stats_helpers import resample_from_p_verify
 
-    def wrong_verify(draft_ids, draft_probs, target_probs, generator):
-        k = draft_ids.shape[0]
-        for i in range(k):
-            p, q = target_probs[i, draft_ids[i]], draft_probs[i, draft_ids[i]]
-            if float(torch.rand(1, generator=generator)) * float(q) >= float(p):
-                return Verdict(i, int(sample(target_probs[i : i + 1], generator)))  # WRONG
-        return Verdict(k, int(sample(target_probs[k : k + 1], generator)))
-
-    monkeypatch.setattr(engine_module, "verify_sampling", wrong_verify)
+    monkeypatch.setattr(engine_module, "verify_sampling", resample_from_p_verify)
     pvalue = homogeneity_pvalue(first_tokens(int4_engine, 1200, seed0=0), plain_samples)
     assert pvalue < P_THRESHOLD, f"the wrong verifier was not detected (p = {pvalue:.3f})"

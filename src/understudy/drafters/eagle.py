@@ -84,8 +84,7 @@ class EagleProposer:
         self.features = torch.zeros(max_context + 1, hidden)  # [P, hidden] f_p, real ones
         self.known = 0  # features are valid for positions 0..known-1
         head.allocate_cache(max_context + 1)
-        # draft vocabulary id -> target id, and the full-vocabulary logits buffer for sampling
-        self.vocab = head.vocab.cpu()  # [N]
+        self.vocab = head.vocab.cpu()  # [N] draft vocabulary id -> target token id
 
     def begin(self, prompt_ids: list[int]) -> None:
         self.known = 0
