@@ -101,13 +101,16 @@ class EagleProposer:
         self, predicted: torch.Tensor, params: SamplingParams, generator: torch.Generator
     ) -> tuple[int, torch.Tensor | None]:
         """One guess from a predicted feature [hidden]: (target token id, q [V] or None)."""
-        logits = self.head.draft_logits(predicted[None])[0].cpu()  # [N]
+        logits = self.head.draft_logits(predicted[None])  # [1, N]
         if params.greedy:
             return int(self.vocab[int(logits.argmax())]), None
-        full = torch.full((self.head.cfg.target_vocab_size,), float("-inf"))  # [V]
-        full[self.vocab] = logits
-        q = warp_probs(full[None], params)  # [1, V]
-        return int(sample(q, generator)), q[0]
+        # Warping the N draft logits equals warping the full vocabulary with -inf elsewhere
+        # (those tokens get probability 0 under every warp), at a fraction of the cost.
+        q_draft = warp_probs(logits.cpu(), params)  # [1, N]
+        token = int(self.vocab[int(sample(q_draft, generator))])
+        q = torch.zeros(self.head.cfg.target_vocab_size)  # [V], the verifier's q
+        q[self.vocab] = q_draft[0]
+        return token, q
 
     @torch.inference_mode()
     def propose(
