@@ -1,15 +1,14 @@
-"""What does the invariant path cost? One decode pass of the target, three ways, interleaved:
+"""What does the invariant path cost? One decode pass of the target, interleaved:
 
 - transformers: the same weights as a transformers CausalLM, one token per forward, its
   DynamicCache (what `generate()` runs per token);
-- understudy, 1 row: our transformer scoring exactly the one token with torch's F.linear
-  (NOT row-invariant);
-- understudy, invariant: the default pass, padded to the hardware's row budget over the
-  fixed key window (what every understudy decode pass does, plain decoding included);
-  `--also-rows 3` adds other budgets (each on its own copy of the weights, packed or not as
-  build_engine would do for that budget).
+- understudy, torch kernels, 1 row: our transformer with F.linear (NOT row-invariant);
+- understudy, row-invariant (the float32 CPU default, kernels/rowgemm.py): 1 row (what plain
+  decoding runs) and `--rows` rows (what verifying K = rows - 1 guesses runs), unpadded;
+- `--padded 6` adds the padded path (every pass `6` rows, oneDNN-packed linears), the
+  default before rowgemm and still the fallback (needs memory for one more weight copy).
 
-    python scripts/invariant_cost.py --context 200 --repeats 15 --also-rows 3
+    python scripts/invariant_cost.py --context 200 --repeats 15 --rows 6,16
 
 Prints a markdown table (median ms and spread). Run it on a quiet machine.
 """
@@ -17,6 +16,7 @@ Prints a markdown table (median ms and spread). Run it on a quiet machine.
 from __future__ import annotations
 
 import argparse
+import copy
 import statistics
 import time
 from collections.abc import Callable
@@ -24,30 +24,20 @@ from collections.abc import Callable
 import torch
 
 from understudy.bench.hf_peer import hf_model
-from understudy.factory import default_verify_rows, prepare_target_kernels
+from understudy.factory import install_row_invariant_kernels, prepare_target_kernels
 from understudy.models.loader import load_model
-from understudy.models.packed import PACK_FROM_ROWS, can_pack
 from understudy.models.registry import DEFAULT_TARGET
 from understudy.models.runner import Runner
 
 
-def copy_model(model: torch.nn.Module) -> torch.nn.Module:
-    import copy
-
-    return copy.deepcopy(model)
-
-
-def invariant_pass(model, rows: int, context_len: int) -> Callable[[], None]:
-    """One padded `rows`-row decode pass over a fixed window (kernels as build_engine sets)."""
-    prepare_target_kernels(model, rows)
-    runner = Runner(model, context_len + 64, rows=rows)
-    context = torch.randint(1, 1000, (context_len,), generator=torch.Generator().manual_seed(0))
-    runner.prefill(context, span=context_len + 32)
-    token = torch.tensor([42])
+def decode_pass(runner: Runner, context: torch.Tensor, rows: int) -> Callable[[], None]:
+    """One pass scoring `rows` tokens after `context` (then rolled back)."""
+    runner.prefill(context, span=context.shape[0] + 32)
+    tokens = torch.arange(42, 42 + rows)
 
     def step() -> None:
-        runner.extend(token)
-        runner.truncate(context_len)
+        runner.extend(tokens)
+        runner.truncate(context.shape[0])
 
     return step
 
@@ -57,23 +47,17 @@ def main() -> None:
     parser.add_argument("--target", default=DEFAULT_TARGET)
     parser.add_argument("--context", type=int, default=200)
     parser.add_argument("--repeats", type=int, default=15)
-    parser.add_argument("--also-rows", default="", help="other row budgets, comma-separated")
+    parser.add_argument("--rows", default="6,16", help="row counts of verification passes")
+    parser.add_argument("--padded", type=int, default=0, help="also time the padded path")
     args = parser.parse_args()
     from transformers import DynamicCache
 
     loaded = load_model(args.target)
     model = loaded.model
-    rows = default_verify_rows(model.dtype, model.device)
-    hf = hf_model(loaded)  # dense views of the weights, taken before any packing
+    hf = hf_model(loaded)  # dense views of the weights, taken before any swap
     context = torch.randint(1, 1000, (args.context,), generator=torch.Generator().manual_seed(0))
     token = torch.tensor([42])
-
-    one_row = Runner(model, args.context + 64, rows=None)
-    one_row.prefill(context)
-
-    def ours_one_row() -> None:
-        one_row.extend(token)
-        one_row.truncate(args.context)
+    span = args.context + 64
 
     with torch.inference_mode():
         cache = DynamicCache(config=hf.config)
@@ -86,14 +70,23 @@ def main() -> None:
 
     passes: dict[str, Callable[[], None]] = {
         "transformers forward, 1 token": transformers_step,
-        "understudy, 1 row (not invariant)": ours_one_row,
+        "understudy, torch kernels, 1 row (not invariant)": decode_pass(
+            Runner(model, span, rows=None), context, 1
+        ),
     }
-    # The loaded weights stay dense (transformers' views share them); a budget whose kernels
-    # differ (packed, models/packed.py) runs on its own copy.
-    for budget in [rows, *(int(r) for r in args.also_rows.split(",") if r)]:
-        packs = budget >= PACK_FROM_ROWS and can_pack(model.device, model.dtype)
-        passes[f"understudy, invariant ({budget} rows, fixed window)"] = invariant_pass(
-            copy_model(model) if packs else model, budget, args.context
+    rows = [int(r) for r in args.rows.split(",") if r]
+    invariant = copy.deepcopy(model)  # the swap re-lays the weights: its own copy
+    install_row_invariant_kernels(invariant, max(rows))
+    for n in [1, *rows]:
+        runner = Runner(invariant, span, rows=max(rows), pad=False)
+        what = "plain decoding" if n == 1 else f"verifying K={n - 1}"
+        passes[f"understudy, row-invariant, {n} row(s) ({what})"] = decode_pass(runner, context, n)
+    if args.padded:
+        padded = copy.deepcopy(model)
+        prepare_target_kernels(padded, args.padded)
+        runner = Runner(padded, span, rows=args.padded)
+        passes[f"understudy, padded to {args.padded} rows (any K < {args.padded})"] = decode_pass(
+            runner, context, 1
         )
     times: dict[str, list[float]] = {name: [] for name in passes}
     for fn in passes.values():

@@ -1,9 +1,12 @@
 """Identical output by construction (issue: batch-invariant verification).
 
-Every target decode pass holds exactly `verify_rows` rows, so a row's logits never depend on
-how many other rows are real. These tests prove the consequences on tiny models:
+Two ways, both tested: in float32 on a CPU the target runs row-invariant kernels
+(kernels/rowgemm.py; every output one FMA chain, each row its own attention call), so passes
+are not padded at all; elsewhere (bfloat16, or UNDERSTUDY_ROWGEMM=0) every decode pass holds
+exactly `verify_rows` rows. Either way a row's logits never depend on how many other rows
+are real. These tests prove the consequences on tiny models:
 
-1. invariance: a row scored alone (padded) equals the same row scored among others, bitwise;
+1. invariance: a row scored alone equals the same row scored among others, bitwise;
 2. identity: greedy speculative output == plain output, for K in 1..16, fp32 and bf16;
 3. distribution: with sampling, the joint law of the first 3 generated tokens equals the
    target's exact law (chi-squared goodness of fit, p > 0.001), with temperature, top-k,
@@ -20,6 +23,7 @@ import torch
 from scipy.stats import chisquare
 
 from understudy import Engine, SamplingParams
+from understudy.kernels.rowgemm import RowInvariantLinear
 from understudy.models.packed import PackedLinear
 from understudy.models.runner import Runner
 from understudy.sampling import warp_probs
@@ -33,12 +37,40 @@ def random_prompts(n: int, seed: int) -> list[list[int]]:
     return [torch.randint(1, 300, (m,), generator=g).tolist() for m in lengths]
 
 
+@pytest.fixture
+def padded_kernels(monkeypatch):
+    """Engines built inside use padded passes with torch's kernels, not rowgemm."""
+    monkeypatch.setenv("UNDERSTUDY_ROWGEMM", "0")
+
+
+def test_row_invariant_kernels_are_the_float32_cpu_default(tiny_pair):
+    """Unpadded passes: row j scored among 16 rows == scored alone == scored among j+1,
+    bitwise, with no padding anywhere (kernels/rowgemm.py, per-row attention)."""
+    target, _ = tiny_pair
+    engine = Engine.from_pretrained(target=target, method="none", dtype=torch.float32)
+    model = engine.target.model
+    kinds = {type(m) for m in model.modules()}
+    assert RowInvariantLinear in kinds and torch.nn.Linear not in kinds
+    assert engine.pad is False and engine.exact
+    runner = Runner(model, 256, rows=16, pad=False)
+    prompt = torch.arange(3, 40)
+    batch = torch.tensor([7, 99, 12, 5, 250, 31, 8, 64, 1, 2, 3, 4, 200, 150, 100, 50])
+    runner.prefill(prompt)
+    together = runner.extend(batch)  # [16, V], a 16-row pass
+    for j in range(batch.shape[0]):
+        runner.truncate(prompt.shape[0] + j)  # keep batch[:j], score batch[j] alone: 1 row
+        alone = runner.extend(batch[j : j + 1])
+        assert alone.shape[0] == 1 and torch.equal(alone[0], together[j]), f"row {j} differs"
+        runner.truncate(prompt.shape[0])  # batch[: j + 1] in one pass of j + 1 rows
+        assert torch.equal(runner.extend(batch[: j + 1])[j], together[j]), f"row {j} differs"
+
+
 @pytest.mark.parametrize("packed", [False, True], ids=["torch-linear", "onednn-packed"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_row_invariance(tiny_pair, dtype, packed):
-    """Row j of a padded 17-row pass == the same token scored alone in a padded pass, with
-    torch's linear (a 3-row budget keeps it) and with the prepacked oneDNN linears that a
-    budget >= 4 gets on a CPU (models/packed.py)."""
+def test_row_invariance(tiny_pair, dtype, packed, padded_kernels):
+    """Padded passes: row j of a padded 17-row pass == the same token scored alone in a
+    padded pass, with torch's linear (a 3-row budget keeps it) and with the prepacked oneDNN
+    linears that a budget >= 4 gets on a CPU (models/packed.py)."""
     target, _ = tiny_pair
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # a 3-row budget is not the default here
@@ -59,9 +91,9 @@ def test_row_invariance(tiny_pair, dtype, packed):
         assert torch.equal(alone, together[j]), f"row {j} differs"
 
 
-def test_unpadded_passes_are_not_invariant_in_general(tiny_pair):
-    """Why the padding exists: shapes that vary with the number of real rows may change bits.
-    (Recorded, not required: if this ever passes with equality everywhere, padding is moot.)"""
+def test_unpadded_passes_are_not_invariant_in_general(tiny_pair, padded_kernels):
+    """Why padding (or rowgemm) exists: with torch's kernels, shapes that vary with the number
+    of real rows may change bits. (Recorded, not required.)"""
     target, _ = tiny_pair
     model = Engine.from_pretrained(target=target, method="none", dtype=torch.float32).target.model
     runner = Runner(model, 256, rows=None)
@@ -72,13 +104,19 @@ def test_unpadded_passes_are_not_invariant_in_general(tiny_pair):
     assert alone.shape == together[:1].shape  # compared for the record in the README
 
 
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_greedy_identity_k_1_to_16(tiny_pair, dtype):
+@pytest.mark.parametrize(
+    "dtype, rowgemm",
+    [("float32", True), ("float32", False), ("bfloat16", False)],
+    ids=["float32-rowgemm", "float32-padded", "bfloat16-padded"],
+)
+def test_greedy_identity_k_1_to_16(tiny_pair, dtype, rowgemm, monkeypatch):
     target, draft = tiny_pair
+    monkeypatch.setenv("UNDERSTUDY_ROWGEMM", "1" if rowgemm else "0")
     spec = Engine.from_pretrained(
         target=target, draft=draft, num_speculative_tokens=16, dtype=dtype, verify_rows=17
     )
-    plain = Engine(spec.target, None, "none", 0, spec.max_context, 17)
+    assert spec.pad is not rowgemm
+    plain = spec.with_method("none")
     params = SamplingParams(max_tokens=48, temperature=0.0, ignore_eos=True)
     prompts = random_prompts(12, seed=7)
     expected = [plain.generate(p, params).token_ids for p in prompts]
@@ -105,7 +143,7 @@ def test_greedy_identity_default_configuration(tiny_pair):
     assert drafted > 0
 
 
-def test_non_default_row_budget_is_flagged(tiny_pair):
+def test_non_default_row_budget_is_flagged(tiny_pair, padded_kernels):
     target, draft = tiny_pair
     with pytest.warns(UserWarning, match="exact"):
         engine = Engine.from_pretrained(
@@ -113,6 +151,21 @@ def test_non_default_row_budget_is_flagged(tiny_pair):
         )
     out = engine.generate([1, 2, 3], SamplingParams(max_tokens=4, temperature=0.0))
     assert out.stats.exact is False
+
+
+def test_any_k_is_exact_with_row_invariant_kernels(tiny_pair):
+    """No row budget to respect: K = 40 (41-row passes) is exact, and identical to plain."""
+    target, draft = tiny_pair
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no "not exact" warning
+        spec = Engine.from_pretrained(
+            target=target, draft=draft, dtype="float32", num_speculative_tokens=40
+        )
+    plain = Engine.from_pretrained(target=target, method="none", dtype="float32")
+    params = SamplingParams(max_tokens=60, temperature=0.0, ignore_eos=True)
+    for prompt in random_prompts(4, seed=11):
+        out = spec.generate(prompt, params)
+        assert out.stats.exact and out.token_ids == plain.generate(prompt, params).token_ids
 
 
 # -- sampling: the joint law of the first three tokens ----------------------------------------

@@ -6,8 +6,11 @@ tokens at a cost of K*c + 1 target passes. Acceptance is not one number in pract
 i-th guess is accepted less often than the first, so we keep a running estimate of the
 conditional acceptance a_i = P(guess i accepted | guesses 1..i-1 accepted) per position, with
 a Beta prior, and c from measured times. Then E(K) = 1 + sum_j prod_{i<=j} a_i and we pick
-K in 0..k_max maximising E(K) / (K*c + 1). K = 0 is plain decoding (speculation does not
-pay); we still probe with K = 1 every few rounds so the estimates can recover.
+K in 0..k_max maximising E(K) / (K*c + 1 + K*v). K = 0 is plain decoding (speculation does
+not pay); we still probe with K = 1 every few rounds so the estimates can recover. v is the
+target's extra cost per extra row in a pass (a fraction of a 1-row pass): 0 when every pass
+is padded to the same shape, a few percent per row with unpadded row-invariant passes
+(kernels/rowgemm.py), where a pass of 16 rows costs ~1.45x a pass of 1 on a 2-core CPU.
 
 Determinism: c is measured once, when the engine is built (`Engine.from_pretrained`), and
 the acceptance estimates start fresh for every request, so the K sequence depends only on
@@ -23,9 +26,10 @@ class AdaptiveK:
     DECAY = 0.98  # older rounds count less: acceptance drifts with the text
     PROBE_EVERY = 8
 
-    def __init__(self, k_max: int, cost_ratio: float) -> None:
+    def __init__(self, k_max: int, cost_ratio: float, row_cost: float = 0.0) -> None:
         self.k_max = k_max
         self.c = cost_ratio  # one draft step / one target pass, measured at engine build
+        self.v = row_cost  # extra target cost per extra row in a pass, measured at build
         self.hits = [self.PRIOR_ACCEPT * self.PRIOR_WEIGHT] * k_max  # accepted at position i
         self.tries = [self.PRIOR_WEIGHT] * k_max  # reached position i
         self.rounds_without_draft = 0
@@ -41,7 +45,7 @@ class AdaptiveK:
         c = self.c
         best_k, best_rate = 0, 1.0
         for k in range(1, self.k_max + 1):
-            rate = self.expected_tokens(k) / (k * c + 1.0)
+            rate = self.expected_tokens(k) / (k * c + 1.0 + k * self.v)
             if rate > best_rate:
                 best_k, best_rate = k, rate
         if best_k == 0:

@@ -100,6 +100,7 @@ class Engine:
         verify_rows: int,
         exact: bool = True,
         cost_ratio: float = 0.3,
+        pad: bool = True,
     ) -> None:
         self.target = target
         self.tokenizer = target.tokenizer
@@ -107,7 +108,10 @@ class Engine:
         self.method = method
         self.k = num_speculative_tokens
         self.max_context = max_context
-        self.runner = Runner(target.model, max_context, rows=verify_rows)
+        # pad=False: the target's kernels are row-invariant (kernels/rowgemm.py), so a pass
+        # holds only its real rows; else every pass is padded to verify_rows rows
+        self.pad = pad
+        self.runner = Runner(target.model, max_context, rows=verify_rows, pad=pad)
         # method="eagle": the proposer reads the target's hidden states of kept tokens
         self.observe_hidden = getattr(proposer, "observe_hidden", None)
         self.runner.keep_hidden = self.observe_hidden is not None
@@ -115,6 +119,7 @@ class Engine:
         self.rows_exact = exact  # the row budget is the hardware's default
         self.exact = exact and not self.tree  # see the module docstring
         self.cost_ratio = cost_ratio  # draft step / target pass, measured by from_pretrained
+        self.row_cost = 0.0  # extra target-pass cost per extra row (unpadded passes), measured
 
     @classmethod
     def from_pretrained(
@@ -155,7 +160,9 @@ class Engine:
         if method != "none":
             raise UnderstudyError("with_method builds only the plain baseline; use from_pretrained")
         rows = self.runner.rows
-        return Engine(self.target, None, "none", 0, self.max_context, rows, self.rows_exact)
+        return Engine(
+            self.target, None, "none", 0, self.max_context, rows, self.rows_exact, pad=self.pad
+        )
 
     # -- prompts ---------------------------------------------------------------------------
 
@@ -284,7 +291,11 @@ class Engine:
             self.proposer.begin(prompt_ids)
         if self.observe_hidden is not None:
             self.observe_hidden(self.runner.last_hidden, 0)  # the prompt's positions
-        policy = AdaptiveK(self.runner.rows - 1, self.cost_ratio) if self.k == "auto" else None
+        policy = (
+            AdaptiveK(self.runner.rows - 1, self.cost_ratio, self.row_cost)
+            if self.k == "auto"
+            else None
+        )
         rounds = 0
         while not emitter.done:
             rounds += 1

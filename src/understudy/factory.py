@@ -13,6 +13,7 @@ import torch
 from understudy.config import UnderstudyError
 from understudy.drafters import DRAFTERS
 from understudy.engine import Engine
+from understudy.kernels import rowgemm
 from understudy.models.loader import LoadedModel, cpu_has_native_bf16, load_model
 from understudy.models.packed import PACK_FROM_ROWS, can_pack, pack_linears
 from understudy.models.quant import SCHEMES, load_or_quantize
@@ -23,8 +24,36 @@ from understudy.models.transformer import Transformer
 METHODS = ("none", *DRAFTERS)
 
 
+ROW_INVARIANT_ROWS = 16  # most rows of an unpadded pass (K <= 15) unless told otherwise
+
+
+def row_invariant_kernels(model: Transformer) -> bool:
+    """Whether the target runs row-invariant kernels (kernels/rowgemm.py): float32 on a CPU
+    where the kernel could be built. Then passes are not padded at all: plain decoding scores
+    one row, verification K+1, and a row's logits are bitwise the same either way."""
+    return model.device.type == "cpu" and model.dtype == torch.float32 and rowgemm.available()
+
+
+def target_pass_shape(model: Transformer) -> tuple[int, bool]:
+    """(rows, pad) of the target's passes by default: (16, False) with row-invariant kernels,
+    else (the hardware's padded budget, True)."""
+    if row_invariant_kernels(model):
+        return ROW_INVARIANT_ROWS, False
+    return default_verify_rows(model.dtype, model.device), True
+
+
+def install_row_invariant_kernels(model: Transformer, rows: int) -> None:
+    """Swap the target's linears for rowgemm and score each row of a pass of up to `rows`
+    rows in its own attention call (models/transformer.py), so no op of a decode pass
+    depends on how many rows it holds. Idempotent."""
+    rowgemm.use_row_invariant_linears(model)
+    for layer in model.layers:
+        layer.attn.rows_apart_upto = max(layer.attn.rows_apart_upto, rows)
+
+
 def default_verify_rows(dtype: torch.dtype, device: torch.device) -> int:
-    """Rows per target pass (every decode pass, plain included, has exactly this many).
+    """Rows per padded target pass (every decode pass, plain included, has exactly this
+    many) where row-invariant kernels are not available (CUDA, bfloat16, no C compiler).
 
     Chosen by measurement (README, "Row budget"; scripts/row_budget.py): where matmuls are flat
     in rows (CUDA, CPUs with native bf16) a wide budget is nearly free. On a CPU without native
@@ -90,6 +119,34 @@ def measure_cost_ratio(engine: Engine, repeats: int = 5) -> float:
     return min(max(draft_step / target_pass, 0.01), 1.0)
 
 
+def measure_row_cost(engine: Engine, repeats: int = 3) -> float:
+    """v = the extra cost of one more row in an unpadded target pass, as a fraction of a
+    1-row pass: (t(rows) / t(1) - 1) / (rows - 1), best of `repeats` each, clamped to [0, 1].
+    (On the 1.5B target on a 2-core CPU: 1 row ~241 ms, 16 rows ~352 ms, v ~0.03.)"""
+    runner = engine.runner
+    context = torch.arange(1, 33, device=runner.model.device)
+    rows = runner.rows
+    if rows is None or rows < 2:
+        return 0.0
+    guesses = torch.arange(40, 40 + rows, device=runner.model.device)
+
+    def best_of(tokens: torch.Tensor) -> float:
+        runner.extend(tokens)  # warm-up
+        runner.truncate(context.shape[0])
+        times = []
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            runner.extend(tokens)
+            times.append(time.perf_counter() - t0)
+            runner.truncate(context.shape[0])
+        return min(times)
+
+    runner.prefill(context)
+    one, full = best_of(guesses[:1]), best_of(guesses)
+    runner.truncate(0)
+    return min(max((full / one - 1.0) / (rows - 1), 0.0), 1.0)
+
+
 def check_compatible(target: LoadedModel, draft: LoadedModel) -> None:
     """Refuse a draft whose tokens do not mean the target's tokens (cf. llama.cpp's
     are_compatible). With tokenizers: same vocabulary and special ids; without: same vocab
@@ -131,13 +188,17 @@ def build_engine(
         raise UnderstudyError(f"max_context must be an integer >= 8, got {max_context!r}")
     target_model = load_model(target or DEFAULT_TARGET, dtype, device)
     model = target_model.model
-    default_rows = default_verify_rows(model.dtype, model.device)
+    default_rows, pad = target_pass_shape(model)
     k = num_speculative_tokens
     rows = verify_rows or (default_rows if k == "auto" else max(default_rows, k + 1))
     if k != "auto" and rows < k + 1:
         raise UnderstudyError(f"verify_rows={rows} cannot hold K+1={k + 1} tokens")
-    exact = rows == default_rows
-    prepare_target_kernels(model, rows)
+    if pad:
+        exact = rows == default_rows
+        prepare_target_kernels(model, rows)
+    else:  # row-invariant kernels: exact whatever the number of rows
+        exact = True
+        install_row_invariant_kernels(model, rows)
     if not exact:
         warnings.warn(
             f"target passes hold {rows} rows, not this hardware's default {default_rows}: "
@@ -162,7 +223,9 @@ def build_engine(
             proposer = drafter.from_models(target_model, None, max_context, head=draft, **options)
         else:
             proposer = drafter.from_models(target_model, None, max_context, **options)
-    engine = Engine(target_model, proposer, method, k, max_context, rows, exact)
+    engine = Engine(target_model, proposer, method, k, max_context, rows, exact, pad=pad)
     if k == "auto":
         engine.cost_ratio = measure_cost_ratio(engine)
+        if not pad and proposer is not None:
+            engine.row_cost = measure_row_cost(engine)
     return engine

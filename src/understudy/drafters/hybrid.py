@@ -61,7 +61,7 @@ def measure_cost_ratio(target: LoadedModel, draft_runner: Runner, repeats: int =
 
     The target's KV cache is set aside and restored, so this never disturbs an engine built on
     the same model (factory.measure_cost_ratio measures the same way for method="draft")."""
-    from understudy.factory import default_verify_rows  # factory imports the drafters
+    from understudy.factory import target_pass_shape  # factory imports the drafters
 
     model = target.model
     context = torch.arange(1, 33, device=model.device)
@@ -80,8 +80,8 @@ def measure_cost_ratio(target: LoadedModel, draft_runner: Runner, repeats: int =
     saved = (model.k_cache, model.v_cache)
     model.k_cache, model.v_cache = [], []
     try:
-        rows = default_verify_rows(model.dtype, model.device)
-        target_step = best_step(Runner(model, 64, rows=rows), context)
+        rows, pad = target_pass_shape(model)
+        target_step = best_step(Runner(model, 64, rows=rows, pad=pad), context)
     finally:
         model.k_cache, model.v_cache = saved
     draft_step = best_step(draft_runner, context.to(draft_runner.model.device))

@@ -194,6 +194,9 @@ class EagleHead(nn.Module):
 
 def lm_rows(target: Transformer, vocab: torch.Tensor) -> torch.Tensor:
     """The target LM head's rows for token ids `vocab` [N] -> [N, hidden] (a copy)."""
+    rows_of = getattr(target.lm_head, "weight_rows", None)  # row-invariant: no full copy
+    if rows_of is not None:
+        return rows_of(vocab)
     weight = target.lm_head.weight  # a dense copy when the target's linears are packed
     return weight.detach()[vocab.to(weight.device)].clone()
 

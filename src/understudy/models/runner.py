@@ -29,9 +29,14 @@ WINDOW_QUANTUM = 256  # key windows are multiples of this many slots
 
 
 class Runner:
-    def __init__(self, model: Transformer, max_context: int, rows: int | None = None) -> None:
+    def __init__(
+        self, model: Transformer, max_context: int, rows: int | None = None, pad: bool = True
+    ) -> None:
         self.model = model
         self.rows = rows
+        # pad=False: the model's matmuls are row-invariant by construction (kernels/rowgemm),
+        # so passes hold only their real rows; the key window stays fixed all the same
+        self.pad = pad
         self.max_context = max_context
         self.length = 0
         self.slots = max_context + max(rows or 0, PREFILL_CHUNK)
@@ -91,8 +96,10 @@ class Runner:
         base = self.length if base is None else base
         n, span, device = tokens.shape[0], visible.shape[1], self.model.device
         assert visible.shape[0] == n and int(offsets.max()) < span, (visible.shape, n)
-        rows = n if self.rows is None else self.rows
-        assert n <= rows, f"a pass holds at most {rows} rows, got {n}"
+        rows = self.rows if self.rows is not None and self.pad else n
+        assert self.rows is None or n <= self.rows, (
+            f"a pass holds at most {self.rows} rows, got {n}"
+        )
         padded = torch.zeros(rows, dtype=torch.long, device=device)  # [rows], filler = id 0
         padded[:n] = tokens
         filler = torch.arange(base + span, base + span + rows - n, device=device)  # [rows-n]
@@ -147,5 +154,5 @@ class Runner:
         if self.rows is None:
             return self._pass(tokens, n, slice(n - 1, n) if last_only else slice(0, n))
         assert n <= self.rows, f"a pass holds at most {self.rows} rows, got {n}"
-        logits = self._pass(tokens, self.rows, slice(None))
+        logits = self._pass(tokens, self.rows if self.pad else n, slice(None))
         return logits[n - 1 : n] if last_only else logits[:n]

@@ -68,6 +68,10 @@ class Attention(nn.Module):
         self.split = (q_out, kv_out, kv_out)
         self.wqkv = nn.Linear(cfg.hidden_size, q_out + 2 * kv_out, bias=cfg.attention_bias)
         self.wo = nn.Linear(q_out, cfg.hidden_size, bias=False)
+        # passes of at most rows_apart_upto rows score each query row in its own attention call
+        # (a batch item), so a row's output does not depend on how many rows the pass holds
+        # (SDPA's blocking does); 0 = off. Longer passes (a prompt's chunks) stay batched.
+        self.rows_apart_upto = 0
 
     def forward(
         self,
@@ -90,14 +94,21 @@ class Attention(nn.Module):
         k_cache.index_copy_(1, slots, k)
         v_cache.index_copy_(1, slots, v)
         length = mask.shape[-1]
-        out = F.scaled_dot_product_attention(
-            q[None],
-            k_cache[None, :, :length],
-            v_cache[None, :, :length],
-            attn_mask=mask,
-            enable_gqa=cfg.num_heads != cfg.num_kv_heads,
-        )[0]  # [H, R, D]
-        return self.wo(out.transpose(0, 1).reshape(rows, -1))
+        gqa = cfg.num_heads != cfg.num_kv_heads
+        keys, values = k_cache[None, :, :length], v_cache[None, :, :length]  # [1, Hkv, L, D]
+        if rows <= self.rows_apart_upto:  # each query row its own batch item, one shape per row
+            out = F.scaled_dot_product_attention(
+                q.transpose(0, 1)[:, :, None],  # [R, H, 1, D]
+                keys.expand(rows, -1, -1, -1),
+                values.expand(rows, -1, -1, -1),
+                attn_mask=mask[:, None, None, :],  # [R, 1, 1, L]
+                enable_gqa=gqa,
+            )[:, :, 0]  # [R, H, D]
+        else:
+            out = F.scaled_dot_product_attention(
+                q[None], keys, values, attn_mask=mask, enable_gqa=gqa
+            )[0].transpose(0, 1)  # [R, H, D]
+        return self.wo(out.reshape(rows, -1))
 
 
 class MLP(nn.Module):
