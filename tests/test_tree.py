@@ -106,6 +106,35 @@ def test_runner_tree_pass_mask_positions_slots(tiny_pair, monkeypatch):
     assert runner.length == 10  # a tree pass leaves the length alone
 
 
+def test_unpadded_tree_pass_gathers_each_path_in_chain_order(tiny_pair, monkeypatch):
+    """With row-invariant kernels: no filler rows, and node i attends to the prefix then its
+    own path root..node at key positions base..base+depth, exactly where a chain has them."""
+    target, _ = tiny_pair
+    model = Engine.from_pretrained(target=target, method="none", dtype="float32").target.model
+    runner = Runner(model, 64, rows=8, pad=False)
+    runner.prefill(torch.arange(3, 13), span=20)
+    tree = TokenTree(torch.tensor([5, 7, 9, 4, 6, 8]), torch.tensor([-1, 0, 0, 1, 1, 2]))
+    seen = {}
+
+    def spy(tokens, positions, slots, mask, logit_rows=None, key_slots=None):
+        seen.update(tokens=tokens, positions=positions, slots=slots, mask=mask, keys=key_slots)
+        return torch.zeros(tokens.shape[0], model.cfg.vocab_size)
+
+    monkeypatch.setattr(model, "forward", spy)
+    offsets = tree.slot_offsets()
+    runner.tree_pass(tree.tokens, tree.depths, offsets, tree.region_mask(offsets))
+    assert seen["tokens"].tolist() == [5, 7, 9, 4, 6, 8]
+    assert seen["positions"].tolist() == [10, 11, 11, 12, 12, 12]
+    assert seen["slots"].tolist() == [10, 11, 12, 13, 14, 15]
+    keys, mask = seen["keys"], seen["mask"]
+    assert keys.shape == mask.shape == (6, runner.window)
+    assert (keys[:, :10] == torch.arange(10)).all()
+    paths = [[10], [10, 11], [10, 12], [10, 11, 13], [10, 11, 14], [10, 12, 15]]
+    for i, path in enumerate(paths):
+        assert keys[i, 10 : 10 + len(path)].tolist() == path
+        assert mask[i].tolist() == [j < 10 + len(path) for j in range(runner.window)]
+
+
 # -- b. bitwise: tree pass vs chain pass --------------------------------------------------------
 
 
@@ -120,14 +149,30 @@ def prefilled_tree(tiny_pair: tuple[str, str], dtype: torch.dtype):
     return model, runner, tree, runner.length, tree.slot_offsets()
 
 
+def test_tree_node_logits_vs_chain_row_invariant(tiny_pair):
+    """Row-invariant kernels (float32 CPU default): EVERY node of an unpadded tree pass is
+    bitwise its path scored by plain decoding, one token per pass."""
+    model, _, tree, base, offsets = prefilled_tree(tiny_pair, torch.float32)
+    runner = Runner(model, 256, rows=17, pad=False)
+    runner.prefill(torch.arange(3, 40), span=100)
+    in_tree = runner.tree_pass(tree.tokens, tree.depths, offsets, tree.region_mask(offsets))
+    for i in range(tree.size):
+        runner.truncate(base)
+        for token in tree.tokens[tree.path(i)]:
+            one_by_one = runner.extend(token[None])[0]
+        assert torch.equal(in_tree[i], one_by_one), f"node {i} differs"
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_tree_node_logits_vs_chain(tiny_pair, dtype):
-    """Each node scored in a 17-row tree pass vs its path scored as a (17-row) chain pass.
+def test_tree_node_logits_vs_chain(tiny_pair, dtype, monkeypatch):
+    """Padded passes: each node scored in a 17-row tree pass vs its path scored as a (17-row)
+    chain pass.
 
     Measured finding: nodes whose path occupies the contiguous slots base..base+d (the
     first-child path; the drafter lays out its likeliest path this way) are bitwise equal;
     in float32, other nodes can differ in the last bits (SDPA sums keys in slot-dependent
     lanes), so only closeness is asserted for them."""
+    monkeypatch.setenv("UNDERSTUDY_ROWGEMM", "0")
     model, runner, tree, base, offsets = prefilled_tree(tiny_pair, dtype)
     in_tree = runner.tree_pass(tree.tokens, tree.depths, offsets, tree.region_mask(offsets))
     differing = []
@@ -169,7 +214,7 @@ def test_greedy_tree_identity(tiny_pair, dtype, rows, branching, k):
         tree="on",
         tree_branching=branching,
     )
-    assert spec.tree and spec.exact is False
+    assert spec.tree and spec.exact is (not spec.pad)  # exact with row-invariant kernels
     spec.cost_ratio = 0.05  # auto K: a cheap draft, deep trees
     plain = spec.with_method("none")
     params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)

@@ -13,8 +13,10 @@ Trees (method="draft", option tree="on" | "auto"): the drafter proposes a token 
 (`Runner.tree_pass`), verify_tree.py picks the accepted root-to-node path, and
 `Runner.keep_path` compacts that path's KV to the slots after the prefix, leaving the same
 invariant as a chain round. Stats: drafted = nodes in the tree, accepted = path length.
-Tree output is lossless (sampling: exact law; greedy: the target's argmax at every step),
-but a node off the tree's first-child path is not scored in the slots a chain would use,
+Tree output is lossless (sampling: exact law; greedy: the target's argmax at every step).
+With row-invariant kernels (unpadded passes) each node attends to its path's keys gathered
+in chain order, so its logits are bitwise plain decoding's and stats.exact stays True; with
+padded passes a node off the tree's first-child path sees its ancestors in scattered slots,
 which in float32 can move logits in the last bits (tree.py): stats.exact is False.
 """
 
@@ -117,7 +119,7 @@ class Engine:
         self.runner.keep_hidden = self.observe_hidden is not None
         self.tree = tree_enabled(proposer, verify_rows)
         self.rows_exact = exact  # the row budget is the hardware's default
-        self.exact = exact and not self.tree  # see the module docstring
+        self.exact = exact and (not self.tree or not pad)  # see the module docstring
         self.cost_ratio = cost_ratio  # draft step / target pass, measured by from_pretrained
         self.row_cost = 0.0  # extra target-pass cost per extra row (unpadded passes), measured
 

@@ -67,7 +67,7 @@ def measure_cost_ratio(target: LoadedModel, draft_runner: Runner, repeats: int =
     context = torch.arange(1, 33, device=model.device)
 
     def best_step(runner: Runner, tokens: torch.Tensor) -> float:
-        runner.prefill(tokens)
+        runner.prefill(tokens, span=480)  # a typical request's window (factory)
         times = []
         for _ in range(repeats):
             t0 = time.perf_counter()

@@ -111,7 +111,33 @@ class Runner:
         mask[:, :base] = True
         mask[:n, base : base + span] = visible.to(device)
         mask[torch.arange(n, rows, device=device), filler] = True
+        if not self.pad:  # row-invariant kernels: each node sees its path where a chain would
+            return self._tree_pass_as_chains(tokens, depths, offsets, visible, base, keys)
         return self.model(padded, positions, slots, mask)[:n]  # all rows, as a chain pass
+
+    def _tree_pass_as_chains(
+        self,
+        tokens: torch.Tensor,  # [n]
+        depths: torch.Tensor,  # [n]
+        offsets: torch.Tensor,  # [n]
+        visible: torch.Tensor,  # [n, span]
+        base: int,
+        keys: int,
+    ) -> torch.Tensor:
+        """The tree pass with each node's keys gathered in chain order: the prefix, then its
+        path root..node (ancestors precede descendants in node order, so the visible slots
+        in increasing order are the path), then filler it cannot see. With row-invariant
+        kernels every node's logits are then bitwise those of plain decoding along its path."""
+        device, n = self.model.device, tokens.shape[0]
+        key_slots = torch.zeros(n, keys, dtype=torch.long, device=device)  # [n, keys]
+        key_slots[:, :base] = torch.arange(base, device=device)
+        for i in range(n):
+            path = base + visible[i].nonzero().flatten().to(device)  # [depth_i + 1] slots
+            key_slots[i, base : base + path.shape[0]] = path
+        depths = depths.to(device)
+        mask = torch.arange(keys, device=device)[None, :] <= (base + depths)[:, None]  # [n, keys]
+        slots, positions = base + offsets.to(device), base + depths
+        return self.model(tokens.to(device), positions, slots, mask, key_slots=key_slots)
 
     @torch.inference_mode()
     def keep_path(self, offsets: torch.Tensor | list[int], base: int | None = None) -> None:

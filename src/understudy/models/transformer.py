@@ -7,6 +7,9 @@ scores any set of query rows against a preallocated, slot-indexed KV cache:
     positions [R]        rotary positions (a tree's siblings share a position)
     slots     [R]        cache slots the rows' keys/values are written to
     mask      [R, L]     bool, True = query row may attend to cache slot j < L
+    key_slots [R, L]     optional: row r attends to cache slots key_slots[r] (in that order)
+                         instead of slots 0..L-1; mask then refers to those positions. A
+                         tree node's ancestors then sit where a chain's would (exactness).
 
 Rolling the cache back is position arithmetic done by the caller (slots past the valid
 length are simply overwritten later); a tree's accepted path is kept by `keep_slots`.
@@ -82,6 +85,7 @@ class Attention(nn.Module):
         mask: torch.Tensor,  # [R, L]
         k_cache: torch.Tensor,  # [kv_heads, S, head_dim]
         v_cache: torch.Tensor,  # [kv_heads, S, head_dim]
+        key_slots: torch.Tensor | None = None,  # [R, L]
     ) -> torch.Tensor:
         cfg = self.cfg
         rows = x.shape[0]
@@ -96,6 +100,10 @@ class Attention(nn.Module):
         length = mask.shape[-1]
         gqa = cfg.num_heads != cfg.num_kv_heads
         keys, values = k_cache[None, :, :length], v_cache[None, :, :length]  # [1, Hkv, L, D]
+        if key_slots is not None:  # each row its own keys, gathered in the order given
+            assert rows <= self.rows_apart_upto, "key_slots needs per-row attention"
+            keys = k_cache[:, key_slots].transpose(0, 1)  # [R, Hkv, L, D]
+            values = v_cache[:, key_slots].transpose(0, 1)  # [R, Hkv, L, D]
         if rows <= self.rows_apart_upto:  # each query row its own batch item, one shape per row
             out = F.scaled_dot_product_attention(
                 q.transpose(0, 1)[:, :, None],  # [R, H, 1, D]
@@ -182,12 +190,14 @@ class Transformer(nn.Module):
         positions: torch.Tensor,  # [R]
         slots: torch.Tensor,  # [R]
         mask: torch.Tensor,  # [R, L]
+        key_slots: torch.Tensor | None = None,  # [R, L]
     ) -> torch.Tensor:
         """Run the layers; write the rows' keys/values into `slots`. Returns [R, hidden]."""
         x = self.embed(tokens)
         cos, sin = self.rotary(positions)
         for layer, k_cache, v_cache in zip(self.layers, self.k_cache, self.v_cache, strict=True):
-            x = x + layer.attn(layer.attn_norm(x), cos, sin, slots, mask, k_cache, v_cache)
+            attn_in = layer.attn_norm(x)
+            x = x + layer.attn(attn_in, cos, sin, slots, mask, k_cache, v_cache, key_slots)
             x = x + layer.mlp(layer.mlp_norm(x))
         return self.norm(x)
 
@@ -198,9 +208,10 @@ class Transformer(nn.Module):
         slots: torch.Tensor,  # [R]
         mask: torch.Tensor,  # [R, L]
         logit_rows: slice | None = None,
+        key_slots: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Logits [len(logit_rows), vocab] (float32) of the selected rows (all by default)."""
-        h = self.hidden_states(tokens, positions, slots, mask)
+        h = self.hidden_states(tokens, positions, slots, mask, key_slots)
         if logit_rows is not None:
             h = h[logit_rows]
         return self.lm_head(h).float()
