@@ -46,3 +46,17 @@ def test_estimates_are_per_position():
     assert policy.hits[0] / policy.tries[0] > 0.95
     assert policy.hits[1] / policy.tries[1] < 0.05
     assert policy.choose() == 1
+
+
+def test_unseen_positions_borrow_the_deepest_estimate():
+    """K can grow past what was tried: positions never reached take the deepest observed
+    position's estimate, not the prior; once observed, their own estimate rules."""
+    policy = AdaptiveK(k_max=15, cost_ratio=0.05)
+    for _ in range(100):
+        policy.observe(3, 3)  # three guesses, always all kept
+    assert policy.acceptance(10) == policy.acceptance(2) > 0.99
+    assert policy.choose() > 3
+    for _ in range(300):
+        policy.observe(15, 3)  # deeper guesses: the 4th is never kept
+    assert policy.acceptance(3) < 0.05
+    assert policy.choose() == 3

@@ -25,6 +25,7 @@ class AdaptiveK:
     PRIOR_WEIGHT = 2.0
     DECAY = 0.98  # older rounds count less: acceptance drifts with the text
     PROBE_EVERY = 8
+    SEEN_ENOUGH = 1.0  # observations before a position's own estimate is used
 
     def __init__(self, k_max: int, cost_ratio: float, row_cost: float = 0.0) -> None:
         self.k_max = k_max
@@ -32,12 +33,25 @@ class AdaptiveK:
         self.v = row_cost  # extra target cost per extra row in a pass, measured at build
         self.hits = [self.PRIOR_ACCEPT * self.PRIOR_WEIGHT] * k_max  # accepted at position i
         self.tries = [self.PRIOR_WEIGHT] * k_max  # reached position i
+        self.seen = [0.0] * k_max  # real (decayed) observations at position i, prior excluded
         self.rounds_without_draft = 0
+
+    def acceptance(self, i: int) -> float:
+        """Estimated P(guess i kept | guesses before it kept). A position never reached yet
+        borrows the estimate of the deepest position seen (optimism: a draft that has been
+        right so far tends to stay right, measured ~0.9-1.0 deep into a round on the default
+        pair, above the prior), so K can grow past what has been tried and find out."""
+        if self.seen[i] < self.SEEN_ENOUGH:
+            deeper = [j for j in range(i) if self.seen[j] >= self.SEEN_ENOUGH]
+            if deeper:
+                j = deeper[-1]
+                return self.hits[j] / self.tries[j]
+        return self.hits[i] / self.tries[i]
 
     def expected_tokens(self, k: int) -> float:
         total, reach = 1.0, 1.0
         for i in range(k):
-            reach *= self.hits[i] / self.tries[i]
+            reach *= self.acceptance(i)
             total += reach
         return total
 
@@ -60,6 +74,8 @@ class AdaptiveK:
         for i in range(self.k_max):
             self.hits[i] *= self.DECAY
             self.tries[i] *= self.DECAY
+            self.seen[i] *= self.DECAY
         for i in range(min(drafted, accepted + 1)):
             self.tries[i] += 1.0
+            self.seen[i] += 1.0
             self.hits[i] += 1.0 if i < accepted else 0.0
