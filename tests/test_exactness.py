@@ -23,12 +23,14 @@ import torch
 from scipy.stats import chisquare
 
 from understudy import Engine, SamplingParams
+from understudy.kernels import rowgemm
 from understudy.kernels.rowgemm import RowInvariantLinear
 from understudy.models.packed import PackedLinear
 from understudy.models.runner import Runner
 from understudy.sampling import warp_probs
 
 P_THRESHOLD = 1e-3
+needs_rowgemm = pytest.mark.skipif(not rowgemm.available(), reason="no C compiler here")
 
 
 def random_prompts(n: int, seed: int) -> list[list[int]]:
@@ -43,6 +45,7 @@ def padded_kernels(monkeypatch):
     monkeypatch.setenv("UNDERSTUDY_ROWGEMM", "0")
 
 
+@needs_rowgemm
 def test_row_invariant_kernels_are_the_float32_cpu_default(tiny_pair):
     """Unpadded passes: row j scored among 16 rows == scored alone == scored among j+1,
     bitwise, with no padding anywhere (kernels/rowgemm.py, per-row attention)."""
@@ -106,7 +109,11 @@ def test_unpadded_passes_are_not_invariant_in_general(tiny_pair, padded_kernels)
 
 @pytest.mark.parametrize(
     "dtype, rowgemm",
-    [("float32", True), ("float32", False), ("bfloat16", False)],
+    [
+        pytest.param("float32", True, marks=needs_rowgemm),
+        ("float32", False),
+        ("bfloat16", False),
+    ],
     ids=["float32-rowgemm", "float32-padded", "bfloat16-padded"],
 )
 def test_greedy_identity_k_1_to_16(tiny_pair, dtype, rowgemm, monkeypatch):
@@ -153,6 +160,7 @@ def test_non_default_row_budget_is_flagged(tiny_pair, padded_kernels):
     assert out.stats.exact is False
 
 
+@needs_rowgemm
 def test_any_k_is_exact_with_row_invariant_kernels(tiny_pair):
     """No row budget to respect: K = 40 (41-row passes) is exact, and identical to plain."""
     target, draft = tiny_pair

@@ -17,7 +17,7 @@ import pytest
 import torch
 from scipy.stats import chisquare
 
-from test_exactness import P_THRESHOLD, WARPS, goodness_of_fit, random_prompts
+from test_exactness import P_THRESHOLD, WARPS, goodness_of_fit, needs_rowgemm, random_prompts
 from understudy import Engine, SamplingParams
 from understudy.config import UnderstudyError
 from understudy.models.runner import Runner
@@ -106,6 +106,7 @@ def test_runner_tree_pass_mask_positions_slots(tiny_pair, monkeypatch):
     assert runner.length == 10  # a tree pass leaves the length alone
 
 
+@needs_rowgemm
 def test_unpadded_tree_pass_gathers_each_path_in_chain_order(tiny_pair, monkeypatch):
     """With row-invariant kernels: no filler rows, and node i attends to the prefix then its
     own path root..node at key positions base..base+depth, exactly where a chain has them."""
@@ -149,6 +150,7 @@ def prefilled_tree(tiny_pair: tuple[str, str], dtype: torch.dtype):
     return model, runner, tree, runner.length, tree.slot_offsets()
 
 
+@needs_rowgemm
 def test_tree_node_logits_vs_chain_row_invariant(tiny_pair):
     """Row-invariant kernels (float32 CPU default): EVERY node of an unpadded tree pass is
     bitwise its path scored by plain decoding, one token per pass."""
