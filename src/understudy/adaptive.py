@@ -26,6 +26,7 @@ class AdaptiveK:
     DECAY = 0.98  # older rounds count less: acceptance drifts with the text
     PROBE_EVERY = 8
     SEEN_ENOUGH = 1.0  # observations before a position's own estimate is used
+    NEAR_TIE = 0.03  # rates this close to the best count as ties, won by the longer K
 
     def __init__(self, k_max: int, cost_ratio: float, row_cost: float = 0.0) -> None:
         self.k_max = k_max
@@ -55,13 +56,21 @@ class AdaptiveK:
             total += reach
         return total
 
+    def rate(self, k: int) -> float:
+        """Modelled tokens per target-pass-equivalent of a round of k guesses."""
+        return self.expected_tokens(k) / (k * self.c + 1.0 + k * self.v)
+
     def choose(self) -> int:
-        c = self.c
-        best_k, best_rate = 0, 1.0
-        for k in range(1, self.k_max + 1):
-            rate = self.expected_tokens(k) / (k * c + 1.0 + k * self.v)
-            if rate > best_rate:
-                best_k, best_rate = k, rate
+        rates = [1.0] + [self.rate(k) for k in range(1, self.k_max + 1)]  # rates[0]: plain
+        best = max(rates)
+        # near the optimum the curve is flat, and real acceptance is burstier than the
+        # per-position model (a draft that is right keeps being right), which understates
+        # long rounds: take the longest K within NEAR_TIE of the best
+        best_k = (
+            0
+            if best <= 1.0
+            else max(k for k, r in enumerate(rates) if r >= best * (1 - self.NEAR_TIE))
+        )
         if best_k == 0:
             self.rounds_without_draft += 1
             if self.rounds_without_draft >= self.PROBE_EVERY:
