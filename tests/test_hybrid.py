@@ -44,6 +44,16 @@ def test_plan_from_priors():
     assert HybridProposer(None, None, 0.1).plan(4, 4, 1) == (0, 4)
 
 
+def test_plan_prices_rows():
+    """With unpadded passes each extra row costs v of a pass: long plans must earn it."""
+    free_rows = HybridProposer(None, None, 0.01).plan(15, 15, 1)
+    dear_rows = HybridProposer(None, None, 0.01)
+    dear_rows.row_cost = 0.1
+    j, n_model = dear_rows.plan(15, 15, 1)
+    assert free_rows == (0, 9)  # prior 0.7 per model guess: E(K) saturates by K = 9
+    assert j == 0 and 0 < n_model < 9
+
+
 def test_plan_learns_from_verdicts():
     proposer = HybridProposer(None, None, 0.3)
     assert proposer.plan(2, 2, 8) == (2, 0)

@@ -233,4 +233,6 @@ def build_engine(
         engine.cost_ratio = measure_cost_ratio(engine)
         if not pad and proposer is not None:
             engine.row_cost = measure_row_cost(engine)
+            if hasattr(proposer, "row_cost"):  # proposers that plan their own rounds (hybrid)
+                proposer.row_cost = engine.row_cost
     return engine

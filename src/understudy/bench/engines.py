@@ -23,10 +23,12 @@ from understudy.drafters import DRAFTERS
 from understudy.engine import Engine
 from understudy.factory import (
     check_compatible,
-    default_verify_rows,
+    install_row_invariant_kernels,
     measure_cost_ratio,
+    measure_row_cost,
     prepare_target_kernels,
     resolve_draft_quantization,
+    target_pass_shape,
 )
 from understudy.models.loader import LoadedModel, load_model
 from understudy.models.quant import load_or_quantize
@@ -134,19 +136,23 @@ class ModelPool:
 def assemble_engine(spec: MethodSpec, pool: ModelPool, max_context: int) -> Engine:
     """What `factory.build_engine` does, around the pool's already-loaded models.
 
-    The target's kernels are chosen for the default row budget once, so every method of a
-    run shares them. The baseline always uses the hardware's default row budget (the fastest plain decoding,
-    and the pass shape that speculative methods at their default K share bit for bit).
+    The target's kernels are chosen once, so every method of a run shares them: row-invariant
+    kernels where they build (unpadded passes, any K exact), else padded passes at the
+    hardware's default row budget, which the baseline then always uses.
     """
     target_model = pool.target
     model = target_model.model
-    default_rows = default_verify_rows(model.dtype, model.device)
-    prepare_target_kernels(model, default_rows)
-    if spec.method == BASELINE:
-        return Engine(target_model, None, BASELINE, 0, max_context, default_rows, True)
+    default_rows, pad = target_pass_shape(model)
     k = spec.k
     rows = default_rows if k == "auto" else max(default_rows, int(k) + 1)
-    exact = rows == default_rows
+    if pad:
+        prepare_target_kernels(model, default_rows)
+        exact = rows == default_rows
+    else:  # row-invariant kernels: any K is exact (factory.build_engine)
+        install_row_invariant_kernels(model, max(rows, default_rows))
+        exact = True
+    if spec.method == BASELINE:
+        return Engine(target_model, None, BASELINE, 0, max_context, default_rows, True, pad=pad)
     if not exact:
         warnings.warn(
             f"{spec.label}: target passes hold {rows} rows, not this hardware's default "
@@ -156,7 +162,11 @@ def assemble_engine(spec: MethodSpec, pool: ModelPool, max_context: int) -> Engi
     drafter = DRAFTERS[spec.method]
     draft_model = pool.draft(spec.draft_quantization) if spec.needs_draft_model else None
     proposer = drafter.from_models(target_model, draft_model, max_context, **spec.options)
-    engine = Engine(target_model, proposer, spec.method, k, max_context, rows, exact)
+    engine = Engine(target_model, proposer, spec.method, k, max_context, rows, exact, pad=pad)
     if k == "auto":
         engine.cost_ratio = measure_cost_ratio(engine)
+        if not pad:
+            engine.row_cost = measure_row_cost(engine)
+            if hasattr(proposer, "row_cost"):
+                proposer.row_cost = engine.row_cost
     return engine

@@ -6,8 +6,9 @@ these plans runs (all deterministic given the text and the rounds so far):
 - model: the draft model guesses K tokens (K * c of a target pass, c = draft/target cost);
 - mixed: g_1..g_j, then the draft model extends them by K tokens (a short match extended);
 - none:  a plain target pass.
-The plan maximises expected tokens per unit of cost, E / (1 + K * c) (Leviathan et al. 2023,
-Thm 3.8), with E = 1 + sum_i P(guesses 1..i all accepted) from running acceptance estimates:
+The plan maximises expected tokens per unit of cost, E / (1 + K * c + (j + K) * v)
+(Leviathan et al. 2023, Thm 3.8, plus v: the target's extra cost per extra row of an unpadded
+pass, set by the engine; 0 with padded passes), with E = 1 + sum_i P(guesses 1..i all accepted) from running acceptance estimates:
 one per match-length bucket for free guesses, one per position for model guesses, learnt from
 the verifier's verdicts (seen in `commit`), starting from priors at every request. So a free
 draft is used when its match is confident enough to beat the model, and hybrid is never
@@ -132,6 +133,7 @@ class HybridProposer:
         self.free = free
         self.model = model  # not exposed as `.runner`: the engine's K stays the row budget
         self.cost_ratio = float(cost_ratio)
+        self.row_cost = 0.0  # v, set by the engine (factory.measure_row_cost)
         self.plans = {"free": 0, "model": 0, "mixed": 0, "none": 0}  # rounds, all requests
         self._reset_estimates()
         self._last: tuple[int, list[int], int, int, int] | None = None  # the round's plan
@@ -166,7 +168,8 @@ class HybridProposer:
                 free_reach *= alpha
                 free_gain += free_reach
             for n_model in range(k - j + 1):
-                rate = (1.0 + free_gain + free_reach * model_gain[n_model]) / (1.0 + n_model * c)
+                cost = 1.0 + n_model * c + (j + n_model) * self.row_cost
+                rate = (1.0 + free_gain + free_reach * model_gain[n_model]) / cost
                 if rate > best_rate + 1e-12 and (j or n_model):
                     best_rate, best = rate, (j, n_model)
         return best
