@@ -93,6 +93,23 @@ def resolve_draft_quantization(value: str | None, draft: LoadedModel) -> str | N
 MEASURE_SPAN = 480
 
 
+def best_extend_seconds(
+    runner: Runner, context: torch.Tensor, tokens: torch.Tensor, repeats: int
+) -> float:
+    """Best of `repeats` timings of one pass scoring `tokens` after `context` (already
+    prefilled), after a warm-up pass; the cache is rolled back to `context` after each."""
+    runner.truncate(context.shape[0])
+    runner.extend(tokens)  # warm-up
+    runner.truncate(context.shape[0])
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        runner.extend(tokens)
+        times.append(time.perf_counter() - t0)
+        runner.truncate(context.shape[0])
+    return min(times)
+
+
 def measure_cost_ratio(engine: Engine, repeats: int = 5) -> float:
     """c = one draft step / one target pass, timed on a short dummy context (best of
     `repeats`, after a warm-up pass, so a busy machine disturbs it less), clamped to [0.01, 1]."""
@@ -102,24 +119,16 @@ def measure_cost_ratio(engine: Engine, repeats: int = 5) -> float:
         return 0.0
     context = torch.arange(1, 33, device=engine.target.model.device)
 
-    def best_of(runner: Runner, tokens: torch.Tensor) -> float:
+    def best_of(runner: Runner) -> float:
         runner.prefill(context, span=MEASURE_SPAN)
-        runner.extend(tokens)  # warm-up
-        runner.truncate(context.shape[0])
-        times = []
-        for _ in range(repeats):
-            t0 = time.perf_counter()
-            runner.extend(tokens)
-            times.append(time.perf_counter() - t0)
-            runner.truncate(context.shape[0])
-        return min(times)
+        return best_extend_seconds(runner, context, context[:1], repeats)
 
     if step_seconds is not None:
         draft_step = step_seconds(repeats)
     else:
-        draft_step = best_of(proposer.runner, context[:1])
+        draft_step = best_of(proposer.runner)
         proposer.runner.truncate(0)
-    target_pass = best_of(engine.runner, context[:1])
+    target_pass = best_of(engine.runner)
     engine.runner.truncate(0)
     return min(max(draft_step / target_pass, 0.01), 1.0)
 
@@ -134,20 +143,9 @@ def measure_row_cost(engine: Engine, repeats: int = 3) -> float:
     if rows is None or rows < 2:
         return 0.0
     guesses = torch.arange(40, 40 + rows, device=runner.model.device)
-
-    def best_of(tokens: torch.Tensor) -> float:
-        runner.extend(tokens)  # warm-up
-        runner.truncate(context.shape[0])
-        times = []
-        for _ in range(repeats):
-            t0 = time.perf_counter()
-            runner.extend(tokens)
-            times.append(time.perf_counter() - t0)
-            runner.truncate(context.shape[0])
-        return min(times)
-
     runner.prefill(context, span=MEASURE_SPAN)
-    one, full = best_of(guesses[:1]), best_of(guesses)
+    one = best_extend_seconds(runner, context, guesses[:1], repeats)
+    full = best_extend_seconds(runner, context, guesses, repeats)
     runner.truncate(0)
     return min(max((full / one - 1.0) / (rows - 1), 0.0), 1.0)
 
