@@ -45,14 +45,18 @@ def test_full_confidence_drafts_one_token(tiny_pair):
     assert rounds and all(len(r.drafted) == 1 for r in rounds)
 
 
-@pytest.mark.parametrize("value", [-0.1, 1.5, "high"])
-def test_bad_confidence_is_refused(tiny_pair, value):
+@pytest.mark.parametrize("value", [-0.1, 1.5, "high", True])
+@pytest.mark.parametrize("name", ["draft_confidence", "draft_path_confidence"])
+def test_bad_confidence_is_refused(tiny_pair, name, value):
     target, draft = tiny_pair
-    with pytest.raises(UnderstudyError, match="draft_confidence"):
-        Engine.from_pretrained(target=target, draft=draft, draft_confidence=value)
+    with pytest.raises(UnderstudyError, match=name):
+        Engine.from_pretrained(target=target, draft=draft, **{name: value})
 
 
-def test_sampling_law_with_early_stop(tmp_path_factory):
+@pytest.mark.parametrize(
+    "rule", [{"draft_confidence": 0.5}, {"draft_path_confidence": 0.3}], ids=["token", "path"]
+)
+def test_sampling_law_with_early_stop(tmp_path_factory, rule):
     """The stop depends on the draft's own draws only: the target's law is kept."""
     from conftest import make_tiny_pair
 
@@ -60,8 +64,72 @@ def test_sampling_law_with_early_stop(tmp_path_factory):
         tmp_path_factory.mktemp("confidence"), seed=5, noise=0.5, tokenizer=False
     )
     engine = Engine.from_pretrained(
-        target=target, draft=draft, dtype="float32", num_speculative_tokens=3, draft_confidence=0.5
+        target=target, draft=draft, dtype="float32", num_speculative_tokens=3, **rule
     )
     params = SamplingParams(ignore_eos=True, **WARPS["top_k"])
     pvalue = goodness_of_fit(engine, [11, 42, 7], params, samples=1500)
     assert pvalue > P_THRESHOLD, f"p = {pvalue:.2e}"
+
+
+def test_auto_confidence_follows_k(tiny_pair):
+    """draft_path_confidence="auto" (the default): on under automatic K, off under a fixed K;
+    draft_confidence is off unless given."""
+    from understudy.drafters.draft_model import AUTO_PATH_CONFIDENCE
+
+    target, draft = tiny_pair
+    automatic = Engine.from_pretrained(target=target, draft=draft, dtype="float32")
+    fixed = Engine.from_pretrained(
+        target=target, draft=draft, dtype="float32", num_speculative_tokens=4
+    )
+    chosen = Engine.from_pretrained(
+        target=target, draft=draft, dtype="float32", draft_path_confidence=0.2
+    )
+    assert automatic.proposer.path_confidence == AUTO_PATH_CONFIDENCE > 0
+    assert automatic.proposer.confidence == 0.0
+    assert fixed.proposer.path_confidence == 0.0 and not fixed.proposer.stops_by_confidence
+    assert chosen.proposer.path_confidence == 0.2
+
+
+def test_path_confidence_stops_on_the_product(tiny_pair):
+    """At path confidence 1.0 a round stops before its second guess (the product of
+    probabilities below 1 is below 1); greedy output is still plain decoding's."""
+    target, draft = tiny_pair
+    engine = Engine.from_pretrained(
+        target=target,
+        draft=draft,
+        dtype="float32",
+        num_speculative_tokens=5,
+        draft_path_confidence=1.0,
+    )
+    rounds = []
+    params = SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True)
+    stream = engine.stream([5, 6, 7], params, on_round=rounds.append)
+    for _ in stream:
+        pass
+    assert rounds and all(len(r.drafted) == 1 for r in rounds)
+    assert (
+        stream.output.token_ids == engine.with_method("none").generate([5, 6, 7], params).token_ids
+    )
+
+
+def test_automatic_k_drafts_until_doubt(tiny_pair):
+    """Under automatic K with the draft's doubt on, a round may draft up to the row budget
+    (automatic K's own estimates stop it near 8 on these models: the mutation that keeps its
+    K fails here). Greedy output stays plain decoding's."""
+    target, draft = tiny_pair
+    engine = Engine.from_pretrained(target=target, draft=draft, dtype="float32")
+    # the per-token rule at a low bar (the tiny models' probabilities are low, so a product
+    # of them would stop every round early): the draft rarely doubts, rounds should run long
+    engine.proposer.confidence, engine.proposer.path_confidence = 0.05, 0.0
+    k_max = engine.runner.rows - 1
+    plain = engine.with_method("none")
+    params = SamplingParams(max_tokens=60, temperature=0.0, ignore_eos=True)
+    longest = 0
+    for prompt in random_prompts(3, seed=11):
+        rounds = []
+        stream = engine.stream(prompt, params, on_round=rounds.append)
+        for _ in stream:
+            pass
+        assert stream.output.token_ids == plain.generate(prompt, params).token_ids
+        longest = max([longest, *(len(r.drafted) for r in rounds)])
+    assert longest > 8, (longest, k_max)  # past what automatic K's estimates alone allowed

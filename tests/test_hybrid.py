@@ -9,6 +9,7 @@ import torch
 from scipy.stats import chisquare
 
 from understudy import Engine, SamplingParams, UnderstudyError
+from understudy.adaptive import AdaptiveK
 from understudy.drafters import hybrid as hybrid_module
 from understudy.drafters.base import Proposal
 from understudy.drafters.hybrid import HybridProposer, bucket, mixed_q
@@ -50,8 +51,16 @@ def test_plan_prices_rows():
     dear_rows = HybridProposer(None, None, 0.01)
     dear_rows.row_cost = 0.1
     j, n_model = dear_rows.plan(15, 15, 1)
-    assert free_rows == (0, 9)  # prior 0.7 per model guess: E(K) saturates by K = 9
-    assert j == 0 and 0 < n_model < 9
+    # a 1-token match (prior 0.2) loses to the model; its prior is AdaptiveK's, a per guess
+    a = AdaptiveK.PRIOR_ACCEPT
+
+    def best_k(c: float, v: float) -> int:
+        rates = [sum(a**i for i in range(k + 1)) / (1 + k * (c + v)) for k in range(16)]
+        return max(range(16), key=rates.__getitem__)
+
+    assert free_rows == (0, best_k(0.01, 0.0))
+    assert (j, n_model) == (0, best_k(0.01, 0.1))
+    assert 0 < n_model < free_rows[1]
 
 
 def test_plan_learns_from_verdicts():

@@ -165,10 +165,12 @@ def fresh(prompt: list[int], **options) -> SuffixProposer:
 def test_speculation_length_grows_with_match_length():
     text = list(range(100, 140))  # 40 distinct tokens
     for m in (1, 3, 5, 8):
-        proposer = fresh(text + text[:m], max_tree_depth=24)
+        proposer = fresh(text + text[:m], max_tree_depth=24, max_spec_factor=1.0)
         guesses, match = proposer.draft(text + text[:m], 30)
         assert match == m
         assert guesses == text[m : 2 * m]  # m * max_spec_factor (1.0) tokens
+        if m <= 3:  # the default factor, 4.0 (within the trie's depth of 24)
+            assert fresh(text + text[:m]).draft(text + text[:m], 30)[0] == text[m : 5 * m]
     proposer = fresh(text + text[:4], max_spec_factor=2.5)
     assert proposer.draft(text + text[:4], 30)[0] == text[4:14]
     assert fresh(text + text[:8]).draft(text + text[:8], 3)[0] == text[8:11]  # k caps
@@ -223,7 +225,8 @@ def test_cross_request_guesses():
 def test_proposal_is_one_hot():
     proposer = fresh([1, 2, 3, 1, 2])
     proposal = proposer.propose([1, 2, 3, 1, 2], 4, SamplingParams(), torch.Generator())
-    assert proposal.draft_ids.tolist() == [3, 1] and proposal.draft_probs is None
+    # match "1 2" (m = 2): up to 4 * m guesses, k = 4, as far as the text goes
+    assert proposal.draft_ids.tolist() == [3, 1, 2] and proposal.draft_probs is None
 
 
 def test_options():

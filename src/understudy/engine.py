@@ -117,6 +117,9 @@ class Engine:
         # method="eagle": the proposer reads the target's hidden states of kept tokens
         self.observe_hidden = getattr(proposer, "observe_hidden", None)
         self.runner.keep_hidden = self.observe_hidden is not None
+        settle_confidence = getattr(proposer, "default_confidence", None)
+        if settle_confidence is not None:  # draft_confidence="auto" (drafters/draft_model.py)
+            settle_confidence(num_speculative_tokens == "auto")
         self.tree = tree_enabled(proposer, verify_rows)
         self.rows_exact = exact  # the row budget is the hardware's default
         self.exact = exact and (not self.tree or not pad)  # see the module docstring
@@ -293,15 +296,26 @@ class Engine:
             self.proposer.begin(prompt_ids)
         if self.observe_hidden is not None:
             self.observe_hidden(self.runner.last_hidden, 0)  # the prompt's positions
+        # automatic K: a proposer that plans its own round length (hybrid) gets the whole row
+        # budget; one whose rounds stop on the draft's own doubt drafts up to the whole budget
+        # whenever automatic K says speculation pays (its choice of K is then only 0 or not 0)
+        k_max = self.runner.rows - 1
+        plans_length = getattr(self.proposer, "plans_length", False)
+        stops_itself = getattr(self.proposer, "stops_by_confidence", False) and not self.tree
         policy = (
-            AdaptiveK(self.runner.rows - 1, self.cost_ratio, self.row_cost)
-            if self.k == "auto"
+            AdaptiveK(k_max, self.cost_ratio, self.row_cost)
+            if self.k == "auto" and not plans_length
             else None
         )
         rounds = 0
         while not emitter.done:
             rounds += 1
-            k = min(policy.choose() if policy else self.k, emitter.remaining - 1)
+            if policy is None:
+                k = k_max if self.k == "auto" else self.k
+            else:
+                k = policy.choose()
+                k = k_max if k and stops_itself else k
+            k = min(k, emitter.remaining - 1)
             t_draft = time.perf_counter()
             if not self.proposer or k <= 0:
                 proposal = EMPTY

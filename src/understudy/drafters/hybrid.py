@@ -9,10 +9,16 @@ these plans runs (all deterministic given the text and the rounds so far):
 The plan maximises expected tokens per unit of cost, E / (1 + K * c + (j + K) * v)
 (Leviathan et al. 2023, Thm 3.8, plus v: the target's extra cost per extra row of an unpadded
 pass, set by the engine; 0 with padded passes), with E = 1 + sum_i P(guesses 1..i all accepted) from running acceptance estimates:
-one per match-length bucket for free guesses, one per position for model guesses, learnt from
-the verifier's verdicts (seen in `commit`), starting from priors at every request. So a free
-draft is used when its match is confident enough to beat the model, and hybrid is never
-expected to be slower than the better of its parts.
+one per match-length bucket for free guesses, one per position for model guesses (the
+estimator of automatic K, adaptive.AdaptiveK, so unseen positions borrow the deepest seen
+one and K can grow), learnt from the verifier's verdicts (seen in `commit`), starting from
+priors at every request. So a free draft is used when its match is confident enough to beat
+the model, and hybrid is never expected to be slower than the better of its parts.
+
+Hybrid plans its own round length (`plans_length`): with num_speculative_tokens="auto" the
+engine hands it the whole row budget as k, not automatic K's choice, which would be learnt
+from a mix of free and model rounds. After PROBE_EVERY plain rounds in a row it drafts one
+model guess, so its estimates can recover.
 
 Verification stays exact: free guesses are deterministic (q = one-hot), model guesses carry
 their q. A mixed proposal's q is [j + K, vocab]: one-hot rows for g_1..g_j (exactly what
@@ -26,6 +32,7 @@ from typing import Protocol
 
 import torch
 
+from understudy.adaptive import AdaptiveK
 from understudy.config import SamplingParams, UnderstudyError
 from understudy.drafters.base import DRAFTERS, Proposal, register
 from understudy.drafters.draft_model import DraftModelProposer
@@ -35,9 +42,10 @@ from understudy.models.runner import Runner
 
 FREE_METHODS = ("suffix", "ngram")
 FREE_PRIOR = (0.2, 0.4, 0.6, 0.75, 0.85)  # P(free guess accepted) by bucket: m 1, 2-3, 4-7, ...
-MODEL_PRIOR = 0.7
 PRIOR_WEIGHT = 2.0
 DECAY = 0.98
+PROBE_EVERY = 8  # plain rounds in a row before one model guess is tried again
+MAX_MODEL_GUESSES = 64
 
 
 class FreeDrafter(Protocol):
@@ -106,6 +114,7 @@ class HybridProposer:
     (suffix_decoding_*, prompt_lookup_*)."""
 
     needs_draft_model = True
+    plans_length = True  # the engine passes the row budget as k (module docstring)
 
     @classmethod
     def from_models(
@@ -138,18 +147,19 @@ class HybridProposer:
         self._reset_estimates()
         self._last: tuple[int, list[int], int, int, int] | None = None  # the round's plan
 
+    def default_confidence(self, automatic_k: bool) -> None:
+        self.model.default_confidence(automatic_k)  # the draft model's rounds may stop early
+
     def _reset_estimates(self) -> None:
         self.free_hits = [p * PRIOR_WEIGHT for p in FREE_PRIOR]
         self.free_tries = [PRIOR_WEIGHT] * len(FREE_PRIOR)
-        self.model_hits: list[float] = []
-        self.model_tries: list[float] = []
+        # P(model guess i accepted | the guesses before it were): only its estimates are used
+        self.model_estimate = AdaptiveK(MAX_MODEL_GUESSES, self.cost_ratio, self.row_cost)
+        self.plain_rounds = 0
 
     def _model_accept(self, i: int) -> float:
         """P(model guess i accepted | the guesses before it were)."""
-        while len(self.model_tries) <= i:
-            self.model_hits.append(MODEL_PRIOR * PRIOR_WEIGHT)
-            self.model_tries.append(PRIOR_WEIGHT)
-        return self.model_hits[i] / self.model_tries[i]
+        return self.model_estimate.acceptance(i)
 
     def plan(self, k: int, free_len: int, match_len: int) -> tuple[int, int]:
         """(j, K): use the first j free guesses, then K model guesses, for the most expected
@@ -184,7 +194,10 @@ class HybridProposer:
         self, tokens: list[int], k: int, params: SamplingParams, generator: torch.Generator
     ) -> Proposal:
         guesses, match_len = self.free.draft(tokens, k)
-        j, n_model = self.plan(k, len(guesses), match_len)
+        j, n_model = self.plan(min(k, MAX_MODEL_GUESSES), len(guesses), match_len)
+        self.plain_rounds = self.plain_rounds + 1 if j == n_model == 0 else 0
+        if self.plain_rounds >= PROBE_EVERY and k > 0:
+            self.plain_rounds, n_model = 0, 1  # a probe: let the model estimates recover
         free = torch.tensor(guesses[:j], dtype=torch.long)  # [j]
         if n_model == 0:
             self.plans["free" if j else "none"] += 1
@@ -198,6 +211,7 @@ class HybridProposer:
             if q is not None and j:
                 q = mixed_q(free, q)
             proposal = Proposal(ids, q)
+            n_model = extended.size  # fewer when the draft stopped on its own doubt
         self._last = (len(tokens), proposal.draft_ids.tolist(), j, n_model, bucket(match_len))
         return proposal
 
@@ -225,11 +239,5 @@ class HybridProposer:
             for i in range(min(j, accepted + 1)):
                 self.free_tries[b] += 1.0
                 self.free_hits[b] += 1.0 if i < accepted else 0.0
-        if n_model:
-            for i in range(len(self.model_tries)):
-                self.model_hits[i] *= DECAY
-                self.model_tries[i] *= DECAY
-            for i in range(min(n_model, accepted - j + 1)):
-                self._model_accept(i)  # make sure position i has an estimate
-                self.model_tries[i] += 1.0
-                self.model_hits[i] += 1.0 if j + i < accepted else 0.0
+        if n_model and accepted >= j:  # the model's guesses were reached
+            self.model_estimate.observe(n_model, accepted - j)

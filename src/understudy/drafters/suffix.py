@@ -45,7 +45,7 @@ DEFAULTS: dict[str, object] = {
     "suffix_decoding_max_tree_depth": 24,  # vLLM's defaults, except the token budget (ours)
     "suffix_decoding_max_cached_requests": 10000,
     "suffix_decoding_max_cached_tokens": 1 << 14,
-    "suffix_decoding_max_spec_factor": 1.0,
+    "suffix_decoding_max_spec_factor": 4.0,  # vLLM: 1.0 (see SuffixProposer)
     "suffix_decoding_min_token_prob": 0.1,
 }
 
@@ -239,8 +239,17 @@ class SuffixCache:
 class SuffixProposer:
     """Suffix-trie drafting. Options (vLLM's names): suffix_decoding_max_tree_depth (24),
     suffix_decoding_max_cached_requests (10000; 0 = no cross-request cache, -1 = no limit),
-    suffix_decoding_max_spec_factor (1.0), suffix_decoding_min_token_prob (0.1); ours:
-    suffix_decoding_max_cached_tokens (16384), the memory bound of the cross-request cache."""
+    suffix_decoding_max_spec_factor (4.0; vLLM's default is 1.0), suffix_decoding_min_token_prob
+    (0.1); ours: suffix_decoding_max_cached_tokens (16384), the memory bound of the
+    cross-request cache.
+
+    Why 4.0: vLLM's 1.0 suits batched GPU serving, where every guessed row costs compute others
+    could use. Here an extra row costs ~3.5% of a pass (unpadded row-invariant passes), so
+    guessing further along a confident match pays. Replaying the greedy outputs of the shipped
+    prompts through the drafter (exact accepted lengths, cost 1 + 0.04 per guess): factor 4.0
+    raised tokens per pass on 5 editing prompts (full answers) from 2.19 to 2.63 and on 5
+    summarize prompts (64 tokens) from 3.37 to 4.51, and changed completion and chat by under
+    0.03; 8.0 gained little more and guessed more rows."""
 
     needs_draft_model = False
 
@@ -256,7 +265,7 @@ class SuffixProposer:
         max_tree_depth: int = 24,
         max_cached_requests: int = 10000,
         max_cached_tokens: int = 1 << 14,
-        max_spec_factor: float = 1.0,
+        max_spec_factor: float = 4.0,
         min_token_prob: float = 0.1,
     ) -> None:
         self.depth = positive_int("suffix", "suffix_decoding_max_tree_depth", max_tree_depth, 2)
