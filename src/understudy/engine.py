@@ -118,7 +118,7 @@ class Engine:
         self.observe_hidden = getattr(proposer, "observe_hidden", None)
         self.runner.keep_hidden = self.observe_hidden is not None
         settle_confidence = getattr(proposer, "default_confidence", None)
-        if settle_confidence is not None:  # draft_confidence="auto" (drafters/draft_model.py)
+        if settle_confidence is not None:  # "auto" thresholds (drafters/draft_model.py)
             settle_confidence(num_speculative_tokens == "auto")
         self.tree = tree_enabled(proposer, verify_rows)
         self.rows_exact = exact  # the row budget is the hardware's default

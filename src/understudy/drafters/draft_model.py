@@ -130,7 +130,8 @@ class DraftModelProposer:
             if self.confidence or self.path_confidence:
                 own = self._own_probability(logits, q, token)
                 path *= own
-                if i > 0 and (own < (self.confidence or 0.0) or path < self.path_confidence):
+                doubt, path_doubt = self.confidence or 0.0, self.path_confidence or 0.0
+                if i > 0 and (own < doubt or path < path_doubt):
                     break
             if q is not None:
                 draft_probs.append(q[0])
