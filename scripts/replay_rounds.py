@@ -6,12 +6,11 @@ method none), this script replays:
 
 - `free`: the free drafters (ngram, suffix with several max_spec_factor values) exactly, as
   the engine runs them, under automatic K;
-- `k`: the default draft model's rounds. One teacher-forced pass of the draft over each output
-  gives agree[t] (the draft's argmax after the true prefix equals the output's token t) and
-  its probability of that argmax. A round that starts at t keeps guesses while agree holds,
-  whatever K is (its context is the true prefix until the first miss), so fixed K, automatic K
-  and the draft_confidence stop can all be replayed from the same trace. (A stop after a
-  miss is judged on the true prefix's probabilities: it only moves the cost of wasted rows.)
+- `k`: the default draft model's rounds, exactly. From every position t of each output the
+  draft's own greedy continuation of 15 guesses (and its probability of each) is computed
+  once; a round starting at t drafts a prefix of it, whatever its length rule, and keeps
+  guesses while they match the output. So fixed K, automatic K and the stop rules (raw or
+  calibrated) replay exactly what the engine would draft and keep; only time is modelled.
 
 Cost of a round, in plain target passes (measured on the 1.5B target and its int4 0.5B draft
 on the 2-core CPU, 2026-11-30, docs/bench/k-and-trees: a 1-row pass 0.247 s; verifying K
@@ -20,7 +19,7 @@ guesses 0.285 / 0.308 / 0.325 s for K = 4 / 8 / 12; a drafted token 0.031-0.047 
 Speedup = tokens / cost (prefill excluded), averaged over prompts per category.
 
     python scripts/replay_rounds.py free docs/bench/free/results.json
-    python scripts/replay_rounds.py k docs/bench/free/results.json
+    python scripts/replay_rounds.py k docs/bench/free/results.json --cache conts.pt
 """
 
 from __future__ import annotations
@@ -31,10 +30,13 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
+from tqdm import tqdm
 
 from understudy.adaptive import AdaptiveK
 from understudy.bench.prompts import load_prompts
 from understudy.config import SamplingParams
+from understudy.drafters.calibration import AcceptanceCalibration
+from understudy.drafters.draft_model import AUTO_PATH_CONFIDENCE
 from understudy.drafters.ngram import NgramProposer
 from understudy.drafters.suffix import SuffixProposer
 from understudy.factory import resolve_draft_quantization
@@ -125,84 +127,140 @@ def study_free(draft: LoadedModel, outputs: list) -> None:
 
 
 @torch.inference_mode()
-def draft_traces(draft: LoadedModel, outputs: list) -> list[tuple[str, list[bool], list[float]]]:
-    """(category, agree [N-1], the draft's probability of its argmax [N-1]) per output."""
+def draft_continuations(draft: LoadedModel, outputs: list, cache: Path | None) -> list[dict]:
+    """Per output: from every position t, the draft's own greedy continuation of K_MAX
+    guesses after the true prefix, with its probability of each (what a round starting at t
+    drafts, whatever its length rule). Saved to / loaded from `cache` (a few minutes each)."""
+    if cache is not None and cache.exists():
+        return torch.load(cache)
     scheme = resolve_draft_quantization("auto", draft)
     if scheme is not None:
         load_or_quantize(draft.model, None, scheme)
     traces = []
-    for _, category, prompt, output in outputs:
-        runner = Runner(draft.model, len(prompt) + len(output) + 8)
-        first = runner.prefill(torch.tensor([*prompt, output[0]]))[None]  # [1, V]
-        rest = runner.extend(torch.tensor(output[1:-1])) if len(output) > 2 else first[:0]
-        probs = torch.cat([first, rest]).float().softmax(-1)  # [N-1, V]: row t guesses t+1
-        top = probs.max(-1)
-        agree = (top.indices == torch.tensor(output[1:])).tolist()
-        traces.append((category, agree, top.values.tolist()))
+    for prompt_id, category, prompt, output in tqdm(outputs, desc="draft continuations"):
+        runner = Runner(draft.model, len(prompt) + len(output) + K_MAX + 8)
+        logits = runner.prefill(torch.tensor([*prompt, output[0]]))[None]  # [1, V]
+        continuations = []
+        for pos in range(1, len(output)):
+            length, step, guesses, probs = runner.length, logits, [], []
+            for i in range(K_MAX):
+                top = step.float().softmax(-1).max(-1)
+                guesses.append(int(top.indices))
+                probs.append(float(top.values))
+                if i < K_MAX - 1:
+                    step = runner.extend(top.indices.view(1))
+            runner.truncate(length)
+            continuations.append((guesses, probs))
+            logits = runner.extend(torch.tensor([output[pos]]))
+        traces.append(
+            {"id": prompt_id, "category": category, "output": output, "next": continuations}
+        )
+    if cache is not None:
+        torch.save(traces, cache)
     return traces
 
 
-def replay_k(
-    agree: list[bool], prob: list[float], policy: AdaptiveK | int, doubt: float, path: float
-) -> float:
-    """Modelled speedup of one output: K from `policy` (an int: fixed), capped at K_MAX, each
-    round stopped before the first later guess whose probability is under `doubt` or at which
-    the product of the round's probabilities falls under `path` (drafters/draft_model.py);
-    with a stop rule an adaptive policy's K only decides whether to draft at all (engine.py)."""
-    pos, cost, n = 0, 0.0, len(agree)
-    while pos < n:
-        if isinstance(policy, int):
-            k = policy
-        else:
-            k = policy.choose()
-            k = K_MAX if k and (doubt or path) else k
-        k = min(k, n - pos)
-        drafted, product = k, prob[pos] if k else 1.0
-        for i in range(1, k):
-            product *= prob[pos + i]
-            if prob[pos + i] < doubt or product < path:
-                drafted = i
-                break
+class FixedK:
+    def __init__(self, k: int) -> None:
+        self.k = k
+
+    def length(self, probs: list[float], budget: int) -> tuple[int, int]:
+        """(guesses drafted, draft passes spent) for a round with this many rows free."""
+        k = min(self.k, budget)
+        return k, k
+
+    def observe(self, probs: list[float], drafted: int, kept: int) -> None:
+        pass
+
+
+class AutomaticK:
+    """The engine's automatic K (engine.py): AdaptiveK decides whether to draft; then the
+    round runs to the row budget unless the draft's doubt stops it (drafters/draft_model.py),
+    on its own probabilities (doubt), their raw product (path, calibrate=False) or their
+    calibrated product (drafters/calibration.py)."""
+
+    def __init__(self, doubt: float = 0.0, path: float = 0.0, calibrate: bool = True) -> None:
+        self.policy = AdaptiveK(K_MAX, ENGINE_C, ENGINE_V)
+        self.doubt, self.path = doubt, path
+        self.calibration = AcceptanceCalibration() if calibrate else None
+
+    def length(self, probs: list[float], budget: int) -> tuple[int, int]:
+        k = self.policy.choose()
+        if not k:
+            return 0, 0
+        k = min(K_MAX if self.doubt or self.path else k, budget)
+        product = 1.0
+        for i in range(k):
+            p = probs[i]
+            product *= self.calibration.estimate(p) if self.calibration else p
+            if i > 0 and (p < self.doubt or product < self.path):
+                return i, i + 1  # the doubted guess's draft step was spent
+        return k, k
+
+    def observe(self, probs: list[float], drafted: int, kept: int) -> None:
+        self.policy.observe(drafted, kept)
+        if self.calibration is not None and drafted:
+            self.calibration.observe_round(probs[:drafted], kept)
+
+
+def replay_k(trace: dict, policy: FixedK | AutomaticK) -> float:
+    """Modelled decode speedup of one output (round_cost, plus the draft steps a stopped
+    round spent on the guess it dropped)."""
+    output, pos, cost = trace["output"], 1, 0.0
+    while pos < len(output):
+        guesses, probs = trace["next"][pos - 1]
+        drafted, passes = policy.length(probs, min(K_MAX, len(output) - pos))
         kept = 0
-        while kept < drafted and agree[pos + kept]:
+        while kept < drafted and guesses[kept] == output[pos + kept]:
             kept += 1
-        if not isinstance(policy, int):
-            policy.observe(drafted, kept)
-        cost += round_cost(drafted)
+        policy.observe(probs, drafted, kept)
+        cost += round_cost(drafted) + (passes - drafted) * DRAFT_TOKEN
         pos += kept + 1
-    return (n + 1) / (cost + 1)
+    return (len(output) - 1) / cost
 
 
-def study_k(draft: LoadedModel, outputs: list) -> None:
-    traces = draft_traces(draft, outputs)
-
-    def automatic() -> AdaptiveK:
-        return AdaptiveK(K_MAX, ENGINE_C, ENGINE_V)
-
-    policies: dict[str, tuple[Callable[[], AdaptiveK | int], float, float]] = {
-        f"K = {k}": (lambda k=k: k, 0.0, 0.0) for k in (2, 4, 6, 8, 10, 12, 15)
+def study_k(draft: LoadedModel, outputs: list, cache: Path | None) -> None:
+    traces = draft_continuations(draft, outputs, cache)
+    policies: dict[str, Callable[[], FixedK | AutomaticK]] = {
+        f"K = {k}": (lambda k=k: FixedK(k)) for k in (2, 3, 4, 6, 8, 10, 12, 15)
     }
-    policies["auto"] = (automatic, 0.0, 0.0)
-    for doubt in (0.3, 0.5, 0.7):
-        policies[f"auto, per-token {doubt}"] = (automatic, doubt, 0.0)
-    for path in (0.1, 0.2, 0.3, 0.4, 0.5):
-        policies[f"auto, path {path}"] = (automatic, 0.0, path)
-    print_table(
-        {
-            name: by_category([(c, replay_k(a, p, make(), d, q)) for c, a, p in traces])
-            for name, (make, d, q) in policies.items()
-        }
-    )
+    policies["auto, no stop rule"] = AutomaticK
+    policies["auto, per-token 0.5"] = lambda: AutomaticK(doubt=0.5)
+    for path in (0.2, 0.3):
+        policies[f"auto, raw path {path}"] = lambda q=path: AutomaticK(path=q, calibrate=False)
+    for path in (0.15, 0.2, 0.25, 0.3):
+        name = f"auto, calibrated {path}" + (" *" if path == AUTO_PATH_CONFIDENCE else "")
+        policies[name] = lambda q=path: AutomaticK(path=q)
+    results = {
+        name: by_category([(t["category"], replay_k(t, make())) for t in traces])
+        for name, make in policies.items()
+    }
+    print_table(results)
+    fixed = [name for name in results if name.startswith("K = ")]
+    best = {c: max(results[name][c] for name in fixed) for c in results[fixed[0]]}
+    print("\nagainst the best fixed K of each category (* the default):")
+    print_table({name: {c: r[c] / best[c] for c in r} for name, r in results.items()})
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("study", choices=["free", "k"])
-    parser.add_argument("results", type=Path, help="an `understudy bench` results.json")
+    parser.add_argument(
+        "results", type=Path, nargs="+", help="`understudy bench` results.json files"
+    )
+    parser.add_argument("--cache", type=Path, help="k: save / reuse the draft continuations")
     args = parser.parse_args()
     draft = load_model(DEFAULT_DRAFT, "float32")
-    outputs = plain_outputs(args.results, draft.tokenizer)
-    (study_free if args.study == "free" else study_k)(draft, outputs)
+    outputs, seen = [], set()
+    for results in args.results:  # the first run of each prompt
+        for item in plain_outputs(results, draft.tokenizer):
+            if item[0] not in seen:
+                seen.add(item[0])
+                outputs.append(item)
+    if args.study == "free":
+        study_free(draft, outputs)
+    else:
+        study_k(draft, outputs, args.cache)
 
 
 if __name__ == "__main__":

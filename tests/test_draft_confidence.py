@@ -133,3 +133,38 @@ def test_automatic_k_drafts_until_doubt(tiny_pair):
         assert stream.output.token_ids == plain.generate(prompt, params).token_ids
         longest = max([longest, *(len(r.drafted) for r in rounds)])
     assert longest > 8, (longest, k_max)  # past what automatic K's estimates alone allowed
+
+
+def test_calibration_learns_what_the_target_kept():
+    """A fresh calibration answers the draft's own p; a bin's record then takes over, and a
+    guess after the first rejection is not observed (the target never judged it)."""
+    from understudy.drafters.calibration import AcceptanceCalibration
+
+    calibration = AcceptanceCalibration()
+    assert all(calibration.estimate(p) == p for p in (0.05, 0.45, 0.95))
+    for _ in range(40):  # under-confident at 0.45: always kept
+        calibration.observe_round([0.45, 0.45], kept=2)
+    for _ in range(40):  # over-confident at 0.95, and the 0.15 after it never judged
+        calibration.observe_round([0.95, 0.15], kept=0)
+    assert calibration.estimate(0.45) > 0.9
+    assert calibration.estimate(0.95) < 0.1
+    assert calibration.estimate(0.15) == 0.15  # never observed
+    assert calibration.estimate(0.75) == 0.75  # another bin
+
+
+def test_calibration_observes_each_judged_guess(tiny_pair):
+    """Within a request the drafter observes exactly the guesses the target judged: up to and
+    including the first rejection of every committed round (the last round is not committed)."""
+    target, draft = tiny_pair
+    engine = Engine.from_pretrained(target=target, draft=draft, dtype="float32")
+    engine.proposer.path_confidence = 0.05  # the tiny draft's probabilities are low
+    params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
+    rounds = []
+    stream = engine.stream([5, 6, 7], params, on_round=rounds.append)
+    for _ in stream:
+        pass
+    judged = sum(min(r.accepted + 1, len(r.drafted)) for r in rounds[:-1])
+    kept = sum(r.accepted for r in rounds[:-1])
+    calibration = engine.proposer.calibration
+    assert judged > 0 and sum(calibration.seen) == judged
+    assert sum(calibration.kept) == kept

@@ -12,7 +12,7 @@ from understudy import Engine, SamplingParams, UnderstudyError
 from understudy.adaptive import AdaptiveK
 from understudy.drafters import hybrid as hybrid_module
 from understudy.drafters.base import Proposal
-from understudy.drafters.hybrid import HybridProposer, bucket, mixed_q
+from understudy.drafters.hybrid import HybridProposer, LiveCostRatio, bucket, mixed_q
 from understudy.sampling import warp_probs
 
 ALPHA = 1e-3
@@ -43,6 +43,23 @@ def test_plan_from_priors():
     assert HybridProposer(None, None, 0.1).plan(4, 1, 16) == (1, 3)
     # a weak one-token match and a cheap model: the model alone
     assert HybridProposer(None, None, 0.1).plan(4, 4, 1) == (0, 4)
+
+
+def test_plan_prices_the_draft_catching_up():
+    """Tokens the draft model has not seen (a long prompt on its first use, or the text of
+    free rounds) cost it catch_up_ratio passes each, shared among CATCH_UP_ROUNDS rounds."""
+    proposer = HybridProposer(None, None, 0.1, catch_up_ratio=0.03)
+    assert proposer.plan(4, 4, 4) == (0, 4)  # a 4-token match (prior 0.6) loses to the model
+    # 400 unseen tokens = 12 passes, 1.5 per round: the free guesses alone, at no draft cost
+    assert proposer.plan(4, 4, 4, unseen=400) == (4, 0)
+    # nothing free: the model, caught up, still beats a plain pass
+    assert proposer.plan(4, 0, 0, unseen=400) == (0, 4)
+    # the catch-up is shared: 12 passes charged to one round would lose to a plain pass
+    hybrid_module.CATCH_UP_ROUNDS, saved = 1, hybrid_module.CATCH_UP_ROUNDS
+    try:
+        assert proposer.plan(4, 0, 0, unseen=400) == (0, 0)
+    finally:
+        hybrid_module.CATCH_UP_ROUNDS = saved
 
 
 def test_plan_prices_rows():
@@ -112,7 +129,7 @@ class StubModel:
 def test_mixed_proposal_q():
     model = StubModel(vocab=6)
     proposer = HybridProposer(StubFree([4, 5], 16), model, 0.1)
-    proposer.plan = lambda k, free_len, match_len: (2, 2)
+    proposer.plan = lambda k, free_len, match_len, unseen=0: (2, 2)
     sampled = proposer.propose([9, 9], 4, SamplingParams(temperature=1.0), torch.Generator())
     assert model.seen[-1] == [9, 9, 4, 5]  # the model continues after the free guesses
     assert sampled.draft_ids.tolist() == [4, 5, 0, 1]
@@ -124,15 +141,70 @@ def test_mixed_proposal_q():
     assert torch.equal(mixed_q(torch.tensor([4, 5]), stub_q), q)
     greedy = proposer.propose([9, 9], 4, SamplingParams(temperature=0.0), torch.Generator())
     assert greedy.draft_probs is None and greedy.draft_ids.tolist() == [4, 5, 0, 1]
-    proposer.plan = lambda k, free_len, match_len: (2, 0)
+    proposer.plan = lambda k, free_len, match_len, unseen=0: (2, 0)
     free_only = proposer.propose([9, 9], 4, SamplingParams(temperature=1.0), torch.Generator())
     assert free_only.draft_probs is None and free_only.draft_ids.tolist() == [4, 5]
     assert proposer.plans == {"free": 1, "model": 0, "mixed": 2, "none": 0}
 
 
+class DoubtingStubModel(StubModel):
+    """A draft model whose rounds stop on its own doubt (draft_path_confidence on)."""
+
+    stops_by_confidence = True
+
+    def propose(self, tokens, k, params, generator):
+        self.asked = k
+        return super().propose(tokens, min(k, 3), params, generator)  # it doubts after 3
+
+
+def test_a_doubting_model_drafts_the_rest_of_the_budget():
+    """The plan says whether the model drafts; a model that stops on its own doubt then gets
+    the rest of the round's budget (as under method="draft"), not the plan's K."""
+    model = DoubtingStubModel(vocab=6)
+    proposer = HybridProposer(StubFree([4, 5], 16), model, 0.1)
+    proposer.plan = lambda k, free_len, match_len, unseen=0: (1, 2)
+    proposal = proposer.propose([9, 9], 10, SamplingParams(temperature=0.0), torch.Generator())
+    assert model.asked == 9 and model.seen[-1] == [9, 9, 4]
+    assert proposal.draft_ids.tolist() == [4, 0, 1, 2]
+    assert proposer._last[3] == 3  # learnt with the length it really drafted
+    plain_model = StubModel(vocab=6)
+    capped = HybridProposer(StubFree([4, 5], 16), plain_model, 0.1)
+    capped.plan = lambda k, free_len, match_len, unseen=0: (1, 2)
+    assert capped.propose([9, 9], 10, SamplingParams(), torch.Generator()).size == 3
+
+
+def test_live_cost_ratio_follows_the_rounds_times():
+    """c starts at the build-time measurement and moves to draft-seconds-per-guess over
+    target-seconds-per-pass as rounds are seen; the prior counts as PRIOR_ROUNDS rounds."""
+    live = LiveCostRatio(0.1)
+    assert live.value == 0.1
+    live.observe_draft(0.6, 3)  # 0.2 s per guess, no pass seen yet: still the prior
+    assert live.value == 0.1
+    live.observe_pass(0.5)  # observed c = 0.2 / 0.5 = 0.4, weight 1 against the prior's 2
+    assert live.value == pytest.approx((2 * 0.1 + 1 * 0.4) / 3)
+    for _ in range(60):
+        live.observe_draft(0.2, 1)
+        live.observe_pass(0.5)
+    assert live.value == pytest.approx((2 * 0.1 + 10 * 0.4) / 12, rel=1e-3)  # weight -> 10
+    live.observe_draft(1.0, 0)  # a round the model drafted nothing in: ignored
+    assert live.value == pytest.approx((2 * 0.1 + 10 * 0.4) / 12, rel=1e-3)
+
+
+def test_hybrid_learns_c_only_when_it_measured_it():
+    fixed = HybridProposer(StubFree([4, 5], 16), StubModel(6), 0.1)
+    assert fixed.live_cost is None
+    learning = HybridProposer(StubFree([4, 5], 16), StubModel(6), 0.1, learn_cost=True)
+    learning.plan = lambda k, free_len, match_len, unseen=0: (0, 2)
+    learning.propose([9, 9], 4, SamplingParams(), torch.Generator())
+    learning.commit([9, 9, 0, 7])
+    live = learning.live_cost
+    assert live.seconds_per_guess is not None and live.seconds_per_pass is not None
+    assert live.weight == 1.0
+
+
 def test_commit_learns_the_verdict():
     proposer = HybridProposer(StubFree([4, 5], 16), StubModel(6), 0.1)
-    proposer.plan = lambda k, free_len, match_len: (2, 0)
+    proposer.plan = lambda k, free_len, match_len, unseen=0: (2, 0)
     before = proposer.free_hits[bucket(16)] / proposer.free_tries[bucket(16)]
     proposer.propose([9, 9], 2, SamplingParams(), torch.Generator())
     proposer.commit([9, 9, 4, 7])  # first guess kept, second rejected
@@ -154,7 +226,7 @@ def repetitive_prompts(n: int, seed: int) -> list[list[int]]:
     return out
 
 
-def force_mixing(k: int, free_len: int, match_len: int) -> tuple[int, int]:
+def force_mixing(k: int, free_len: int, match_len: int, unseen: int = 0) -> tuple[int, int]:
     """A plan that mixes whenever it can: one free guess, then the draft model."""
     return min(1, free_len), k - min(1, free_len)
 

@@ -260,7 +260,27 @@ def test_tree_option_validation(tiny_pair):
     off = Engine.from_pretrained(target=target, draft=draft, dtype="float32")
     assert off.tree is False and off.exact  # default: chains, untouched
     auto = Engine.from_pretrained(target=target, draft=draft, dtype="float32", tree="auto")
-    assert auto.tree is (auto.runner.rows >= 8)
+    assert auto.tree and auto.tree_mode == "auto"  # tree_choice.py decides each round
+
+
+def test_tree_auto_keeps_padded_passes_exact(tiny_pair):
+    """Padded passes (bfloat16 here) cannot score tree nodes exactly: tree="auto" drafts
+    chains only there, stays exact and gives plain decoding's tokens; tree="on" says so."""
+    target, draft = tiny_pair
+    plain = Engine.from_pretrained(target=target, method="none", dtype="bfloat16")
+    auto = Engine.from_pretrained(target=target, draft=draft, dtype="bfloat16", tree="auto")
+    assert auto.pad and auto.tree_mode == "auto" and not auto.tree and auto.exact
+    assert auto.shapes is None
+    on = Engine.from_pretrained(target=target, draft=draft, dtype="bfloat16", tree="on")
+    assert on.tree and not on.exact
+    params = SamplingParams(max_tokens=24, temperature=0.0)
+    for prompt in random_prompts(2, seed=7):
+        rounds: list = []
+        stream = auto.stream(prompt, params, on_round=rounds.append)
+        for _ in stream:
+            pass
+        assert stream.output.token_ids == plain.generate(prompt, params).token_ids
+        assert rounds and all(r.parents is None for r in rounds)
 
 
 # -- d. sampling: the exact law -----------------------------------------------------------------

@@ -9,15 +9,17 @@ pass has the same shape (see models/runner.py); sampled output has the target's
 distribution (verify.py).
 
 Trees (method="draft", option tree="on" | "auto"): the drafter proposes a token tree
-(understudy.tree) instead of a chain; the target scores all its nodes in one pass
-(`Runner.tree_pass`), verify_tree.py picks the accepted root-to-node path, and
+(understudy.tree) instead of a chain (tree="auto": in the rounds where trees have yielded more
+tokens per modelled cost than chains over the engine's requests, tree_choice.py); the target
+scores all its nodes in one pass (`Runner.tree_pass`), verify_tree.py picks the accepted root-to-node path, and
 `Runner.keep_path` compacts that path's KV to the slots after the prefix, leaving the same
 invariant as a chain round. Stats: drafted = nodes in the tree, accepted = path length.
 Tree output is lossless (sampling: exact law; greedy: the target's argmax at every step).
 With row-invariant kernels (unpadded passes) each node attends to its path's keys gathered
 in chain order, so its logits are bitwise plain decoding's and stats.exact stays True; with
 padded passes a node off the tree's first-child path sees its ancestors in scattered slots,
-which in float32 can move logits in the last bits (tree.py): stats.exact is False.
+which in float32 can move logits in the last bits (tree.py): stats.exact is False with
+tree="on", and tree="auto" drafts chains only there, so that it never costs exactness.
 """
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ from understudy.models.runner import Runner
 from understudy.sampling import make_generator, sample, warp_probs
 from understudy.stats import GenerationStats, StatsRecorder
 from understudy.tree import TokenTree
+from understudy.tree_choice import TreeOrChain
 from understudy.verify import Verdict, verify_greedy, verify_sampling
 from understudy.verify_tree import TreeVerdict, verify_tree_greedy, verify_tree_sampling
 
@@ -77,16 +80,12 @@ class GenerationOutput:
     prompt_token_ids: list[int]
 
 
-TREE_AUTO_MIN_ROWS = 8  # tree="auto" drafts trees when a target pass holds this many rows
-
-
-def tree_enabled(proposer: Proposer | None, verify_rows: int) -> bool:
-    """Whether rounds draft trees: the proposer can, and its `tree` option says "on", or
-    "auto" with a row budget wide enough to hold a tree (placeholder rule, to be measured)."""
-    mode = getattr(proposer, "tree", "off")
-    if proposer is None or not hasattr(proposer, "propose_tree") or mode == "off":
-        return False
-    return mode == "on" or verify_rows >= TREE_AUTO_MIN_ROWS
+def tree_mode(proposer: Proposer | None) -> str:
+    """Whether rounds draft trees: "on" (every round), "auto" (tree_choice.py decides each
+    round) or "off": the proposer's `tree` option, where it can draft trees at all."""
+    if proposer is None or not hasattr(proposer, "propose_tree"):
+        return "off"
+    return getattr(proposer, "tree", "off")
 
 
 class Engine:
@@ -120,11 +119,18 @@ class Engine:
         settle_confidence = getattr(proposer, "default_confidence", None)
         if settle_confidence is not None:  # "auto" thresholds (drafters/draft_model.py)
             settle_confidence(num_speculative_tokens == "auto")
-        self.tree = tree_enabled(proposer, verify_rows)
+        self.tree_mode = tree_mode(proposer)
+        # rounds may draft trees; tree="auto" only where trees stay exact (unpadded passes)
+        self.tree = self.tree_mode == "on" or (self.tree_mode == "auto" and not pad)
         self.rows_exact = exact  # the row budget is the hardware's default
         self.exact = exact and (not self.tree or not pad)  # see the module docstring
         self.cost_ratio = cost_ratio  # draft step / target pass, measured by from_pretrained
         self.row_cost = 0.0  # extra target-pass cost per extra row (unpadded passes), measured
+        self.tree_node_cost = 0.0  # the same per extra node of a tree pass, measured
+        # tree="auto": which shape pays, learnt over this engine's requests (tree_choice.py)
+        self.shapes = (
+            TreeOrChain(cost_ratio, 0.0, 0.0) if self.tree and self.tree_mode == "auto" else None
+        )
 
     @classmethod
     def from_pretrained(
@@ -301,7 +307,10 @@ class Engine:
         # whenever automatic K says speculation pays (its choice of K is then only 0 or not 0)
         k_max = self.runner.rows - 1
         plans_length = getattr(self.proposer, "plans_length", False)
-        stops_itself = getattr(self.proposer, "stops_by_confidence", False) and not self.tree
+        stops_itself = getattr(self.proposer, "stops_by_confidence", False)
+        shapes = self.shapes
+        if shapes is not None:  # the costs as measured at build (factory.measure_engine_costs)
+            shapes.c, shapes.v, shapes.v_tree = self.cost_ratio, self.row_cost, self.tree_node_cost
         policy = (
             AdaptiveK(k_max, self.cost_ratio, self.row_cost)
             if self.k == "auto" and not plans_length
@@ -310,16 +319,17 @@ class Engine:
         rounds = 0
         while not emitter.done:
             rounds += 1
+            as_tree = self.tree_mode == "on" or (shapes is not None and shapes.choose())
             if policy is None:
                 k = k_max if self.k == "auto" else self.k
-            else:
+            else:  # a tree's depth plays K's part; a chain stopping on doubt gets the budget
                 k = policy.choose()
-                k = k_max if k and stops_itself else k
+                k = k_max if k and stops_itself and not as_tree else k
             k = min(k, emitter.remaining - 1)
             t_draft = time.perf_counter()
             if not self.proposer or k <= 0:
                 proposal = EMPTY
-            elif self.tree:
+            elif as_tree:
                 nodes = self.runner.rows - 1
                 proposal = self.proposer.propose_tree(tokens, k, nodes, params, gen)
             else:
@@ -343,6 +353,8 @@ class Engine:
                 bonus = tree_verdict.bonus
             if policy is not None:
                 policy.observe(depth, accepted)  # a tree's depth plays K's part
+            if shapes is not None and proposal.size:
+                shapes.observe(proposal.parents is not None, accepted + 1, proposal.size, depth)
             recorder.round(
                 proposal.size, accepted, t_verify - t_draft, time.perf_counter() - t_verify
             )

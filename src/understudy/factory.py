@@ -20,6 +20,7 @@ from understudy.models.quant import SCHEMES, load_or_quantize
 from understudy.models.registry import DEFAULT_DRAFT, DEFAULT_TARGET
 from understudy.models.runner import Runner
 from understudy.models.transformer import Transformer
+from understudy.tree import TokenTree
 
 METHODS = ("none", *DRAFTERS)
 
@@ -150,6 +151,36 @@ def measure_row_cost(engine: Engine, repeats: int = 3) -> float:
     return min(max((full / one - 1.0) / (rows - 1), 0.0), 1.0)
 
 
+def measure_tree_node_cost(engine: Engine, repeats: int = 3) -> float:
+    """v_tree = the extra cost of one more node in a target tree pass (the pass a tree round
+    verifies with: on unpadded passes each node gathers its path's keys), as a fraction of a
+    1-row pass: (t(tree of `rows` nodes) / t(1 row) - 1) / (rows - 1), best of `repeats`,
+    clamped to [0, 1]. The tree is a chain, which gathers as much as any tree of its size."""
+    runner = engine.runner
+    rows = runner.rows
+    if rows is None or rows < 2:
+        return 0.0
+    device = runner.model.device
+    context = torch.arange(1, 33, device=device)
+    tree = TokenTree.chain(40, list(range(41, 40 + rows)))
+    offsets = tree.slot_offsets()  # [rows]
+    visible = tree.region_mask(offsets)
+
+    def tree_pass() -> None:
+        runner.tree_pass(tree.tokens.to(device), tree.depths, offsets, visible)
+
+    runner.prefill(context, span=MEASURE_SPAN)
+    one = best_extend_seconds(runner, context, context[:1], repeats)
+    tree_pass()  # warm-up
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        tree_pass()
+        times.append(time.perf_counter() - t0)
+    runner.truncate(0)
+    return min(max((min(times) / one - 1.0) / (rows - 1), 0.0), 1.0)
+
+
 def check_compatible(target: LoadedModel, draft: LoadedModel) -> None:
     """Refuse a draft whose tokens do not mean the target's tokens (cf. llama.cpp's
     are_compatible). With tokenizers: same vocabulary and special ids; without: same vocab
@@ -227,10 +258,20 @@ def build_engine(
         else:
             proposer = drafter.from_models(target_model, None, max_context, **options)
     engine = Engine(target_model, proposer, method, k, max_context, rows, exact, pad=pad)
-    if k == "auto":
-        engine.cost_ratio = measure_cost_ratio(engine)
-        if not pad and proposer is not None:
-            engine.row_cost = measure_row_cost(engine)
-            if hasattr(proposer, "row_cost"):  # proposers that plan their own rounds (hybrid)
-                proposer.row_cost = engine.row_cost
+    measure_engine_costs(engine)
     return engine
+
+
+def measure_engine_costs(engine: Engine) -> None:
+    """Time what automatic K and tree="auto" weigh, once per engine: c, and on unpadded
+    passes v (and v_tree under tree="auto"); nothing for an engine that chooses nothing."""
+    if engine.proposer is None or (engine.k != "auto" and engine.tree_mode != "auto"):
+        return
+    engine.cost_ratio = measure_cost_ratio(engine)
+    if engine.pad:
+        return
+    engine.row_cost = measure_row_cost(engine)
+    if hasattr(engine.proposer, "row_cost"):  # proposers that plan their own rounds (hybrid)
+        engine.proposer.row_cost = engine.row_cost
+    if engine.tree_mode == "auto":
+        engine.tree_node_cost = measure_tree_node_cost(engine)

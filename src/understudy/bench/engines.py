@@ -24,8 +24,7 @@ from understudy.engine import Engine
 from understudy.factory import (
     check_compatible,
     install_row_invariant_kernels,
-    measure_cost_ratio,
-    measure_row_cost,
+    measure_engine_costs,
     prepare_target_kernels,
     resolve_draft_quantization,
     target_pass_shape,
@@ -163,10 +162,5 @@ def assemble_engine(spec: MethodSpec, pool: ModelPool, max_context: int) -> Engi
     draft_model = pool.draft(spec.draft_quantization) if spec.needs_draft_model else None
     proposer = drafter.from_models(target_model, draft_model, max_context, **spec.options)
     engine = Engine(target_model, proposer, spec.method, k, max_context, rows, exact, pad=pad)
-    if k == "auto":
-        engine.cost_ratio = measure_cost_ratio(engine)
-        if not pad:
-            engine.row_cost = measure_row_cost(engine)
-            if hasattr(proposer, "row_cost"):
-                proposer.row_cost = engine.row_cost
+    measure_engine_costs(engine)
     return engine

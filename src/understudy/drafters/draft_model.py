@@ -9,12 +9,14 @@ Stopping a round early, on the draft's own doubt (a doubtful guess is likely rej
 draft step and target row wasted):
 - draft_confidence=t: before the first guess after the first whose draft probability is below
   t (cf. transformers' assistant_confidence_threshold);
-- draft_path_confidence=t: before the first guess after the first at which the product of the
-  round's draft probabilities so far falls below t (the draft's estimate that the whole round
-  is kept; cf. the stopping rule of SpecDec++, Huang et al. 2024, with the draft's own
-  probabilities as the acceptance estimate).
+- draft_path_confidence=t: before the first guess after the first at which the estimated
+  chance that the whole round so far is kept falls below t (cf. the stopping rule of
+  SpecDec++, Huang et al. 2024). The estimate is the product over the round's guesses of
+  the draft's probability of each, calibrated online against what the target kept in this
+  request (drafters/calibration.py): it starts as the draft's own product and learns where
+  the draft is over- or under-confident.
 draft_confidence defaults to 0 (off). draft_path_confidence defaults to "auto": under
-num_speculative_tokens="auto" the engine sets AUTO_PATH_CONFIDENCE (0.3), and rounds may then
+num_speculative_tokens="auto" the engine sets AUTO_PATH_CONFIDENCE (0.2), and rounds may then
 run up to the whole row budget, the draft's doubt ending each one (engine.py); under a fixed K,
 which the user chose, it is off (0).
 
@@ -35,6 +37,7 @@ import torch
 
 from understudy.config import SamplingParams, UnderstudyError
 from understudy.drafters.base import EMPTY, Proposal, register
+from understudy.drafters.calibration import AcceptanceCalibration
 from understudy.drafters.ngram import positive_int, take_options
 from understudy.models.loader import LoadedModel
 from understudy.models.runner import Runner
@@ -42,10 +45,15 @@ from understudy.sampling import sample, warp_probs
 
 TREE_MODES = ("off", "on", "auto")
 # draft_path_confidence under automatic K. A guess is worth drafting while the chance that it
-# is kept (~ the round's path probability) beats what its draft step and target row cost in
-# tokens, ~(c + v) * tokens per pass ~ 0.17 * 2 here; measured (README): 0.3 beat 0.4, the
-# per-token rule at 0.5 and fixed K = 4 over chat, completion and summarize prompts
-AUTO_PATH_CONFIDENCE = 0.3
+# is kept (the round's calibrated path probability) beats what its draft step and target row
+# cost in tokens, ~(c + v) * tokens per pass ~ 0.17 * 2 here, less the verify pass a longer
+# round saves. Replayed exactly over 20 greedy outputs (README, "Automatic K"): 0.2 with
+# calibration was within 2% of the best fixed K or above it in all four categories; the raw
+# product at 0.3 (the previous default) fell 5% behind K = 4 on chat
+AUTO_PATH_CONFIDENCE = 0.2
+# a round's context is checked this far back before its guesses count for calibration (the
+# free guesses a hybrid round puts before the model's are fewer than a pass's rows)
+CONTEXT_CHECKED = 64
 
 
 def threshold(name: str, value: object) -> float | None:
@@ -94,12 +102,20 @@ class DraftModelProposer:
     ) -> None:
         self.runner = runner
         self.fed: list[int] = []  # tokens whose KV the draft computed, in order
-        self.tree = tree  # "off", "on" or "auto" (the engine decides from its row budget)
+        self.tree = tree  # "off", "on" or "auto" (the engine decides each round: tree_choice.py)
         self.branching = branching
         # stop a round at a guess the draft doubts more (None: "auto", see default_confidence)
         self.confidence = confidence
-        # ... or where the draft's probability of the whole round so far falls below this
+        # ... or where the calibrated chance of keeping the whole round so far falls below this
         self.path_confidence = path_confidence
+        self.calibration = AcceptanceCalibration()
+        # the latest chain round, for calibration: the end of the context it continued
+        # (under method="hybrid" that context may end in free guesses the target can reject),
+        # its guesses and their draft probabilities
+        self.round_start = 0  # len(context)
+        self.round_tail: list[int] = []  # context[-CONTEXT_CHECKED:]
+        self.round_ids: list[int] = []
+        self.round_probs: list[float] = []
 
     def default_confidence(self, automatic_k: bool) -> None:
         """Settle draft_path_confidence="auto": AUTO_PATH_CONFIDENCE with automatic K, else off."""
@@ -115,6 +131,8 @@ class DraftModelProposer:
     def begin(self, prompt_ids: list[int]) -> None:
         self.fed = []
         self.runner.truncate(0)
+        self.calibration = AcceptanceCalibration()
+        self.round_ids, self.round_probs = [], []
 
     def propose(
         self, tokens: list[int], k: int, params: SamplingParams, generator: torch.Generator
@@ -123,16 +141,18 @@ class DraftModelProposer:
         logits = self._catch_up(tokens)  # [1, V]
         draft_ids: list[torch.Tensor] = []
         draft_probs: list[torch.Tensor] = []
-        path = 1.0  # the draft's probability of its guesses so far
+        path = 1.0  # the calibrated chance that the guesses so far are all kept
+        own_probs: list[float] = []
         for i in range(k):
             q = None if params.greedy else warp_probs(logits, params)  # [1, V]
             token = logits.argmax(-1) if q is None else sample(q, generator)  # [1]
             if self.confidence or self.path_confidence:
                 own = self._own_probability(logits, q, token)
-                path *= own
+                path *= self.calibration.estimate(own)
                 doubt, path_doubt = self.confidence or 0.0, self.path_confidence or 0.0
                 if i > 0 and (own < doubt or path < path_doubt):
                     break
+                own_probs.append(own)
             if q is not None:
                 draft_probs.append(q[0])
             draft_ids.append(token)
@@ -140,6 +160,8 @@ class DraftModelProposer:
                 logits = self.runner.extend(token.to(device))
                 self.fed.append(int(token))
         ids = torch.cat(draft_ids).cpu()  # [k]
+        self.round_start, self.round_tail = len(tokens), tokens[-CONTEXT_CHECKED:]
+        self.round_ids, self.round_probs = ids.tolist(), own_probs
         return Proposal(ids, torch.stack(draft_probs).cpu() if draft_probs else None)
 
     @staticmethod
@@ -253,6 +275,15 @@ class DraftModelProposer:
         return Proposal(ids, None, parents)
 
     def commit(self, tokens: list[int]) -> None:
+        if self.round_probs:  # how many of the latest round's guesses the target kept
+            start, tail = self.round_start, self.round_tail
+            if tokens[start - len(tail) : start] == tail:  # its context was kept: judged
+                judged = tokens[start : start + len(self.round_ids)]
+                kept = 0
+                while kept < len(judged) and judged[kept] == self.round_ids[kept]:
+                    kept += 1
+                self.calibration.observe_round(self.round_probs, kept)
+            self.round_probs = []
         keep = 0
         limit = min(len(self.fed), len(tokens))
         while keep < limit and self.fed[keep] == tokens[keep]:

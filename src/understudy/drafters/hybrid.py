@@ -8,7 +8,9 @@ these plans runs (all deterministic given the text and the rounds so far):
 - none:  a plain target pass.
 The plan maximises expected tokens per unit of cost, E / (1 + K * c + (j + K) * v)
 (Leviathan et al. 2023, Thm 3.8, plus v: the target's extra cost per extra row of an unpadded
-pass, set by the engine; 0 with padded passes), with E = 1 + sum_i P(guesses 1..i all accepted) from running acceptance estimates:
+pass, set by the engine; 0 with padded passes; c measured at build, then followed from the
+rounds' own wall times, LiveCostRatio), with E = 1 + sum_i P(guesses 1..i all accepted) from
+running acceptance estimates:
 one per match-length bucket for free guesses, one per position for model guesses (the
 estimator of automatic K, adaptive.AdaptiveK, so unseen positions borrow the deepest seen
 one and K can grow), learnt from the verifier's verdicts (seen in `commit`), starting from
@@ -17,7 +19,9 @@ the model, and hybrid is never expected to be slower than the better of its part
 
 Hybrid plans its own round length (`plans_length`): with num_speculative_tokens="auto" the
 engine hands it the whole row budget as k, not automatic K's choice, which would be learnt
-from a mix of free and model rounds. After PROBE_EVERY plain rounds in a row it drafts one
+from a mix of free and model rounds. The plan decides whether the model drafts; when the
+draft model stops on its own doubt (draft_path_confidence, on under automatic K) it then
+drafts up to the rest of the budget, as under method="draft", and its length is its own. After PROBE_EVERY plain rounds in a row it drafts one
 model guess, so its estimates can recover.
 
 Verification stays exact: free guesses are deterministic (q = one-hot), model guesses carry
@@ -46,6 +50,7 @@ PRIOR_WEIGHT = 2.0
 DECAY = 0.98
 PROBE_EVERY = 8  # plain rounds in a row before one model guess is tried again
 MAX_MODEL_GUESSES = 64
+CATCH_UP_ROUNDS = 8  # model rounds a catch-up is charged over (~ a 64-token request's rounds)
 
 
 class FreeDrafter(Protocol):
@@ -65,8 +70,12 @@ def bucket(match_len: int) -> int:
     return min(max(match_len, 1).bit_length(), len(FREE_PRIOR)) - 1
 
 
-def measure_cost_ratio(target: LoadedModel, draft_runner: Runner, repeats: int = 3) -> float:
-    """c = one draft step / one target pass (as the engine's passes are shaped), timed once.
+def measure_cost_ratio(
+    target: LoadedModel, draft_runner: Runner, repeats: int = 3
+) -> tuple[float, float]:
+    """(c, catch-up): c = one draft step / one target pass (as the engine's passes are shaped);
+    catch-up = the draft's prefill time per token of a 32-token context / one target pass (what
+    each token the draft has not seen costs it before its next guess). Timed once.
 
     The target's KV cache is set aside and restored, so this never disturbs an engine built on
     the same model (factory.measure_cost_ratio measures the same way for method="draft")."""
@@ -77,6 +86,9 @@ def measure_cost_ratio(target: LoadedModel, draft_runner: Runner, repeats: int =
 
     def best_step(runner: Runner, tokens: torch.Tensor) -> float:
         runner.prefill(tokens, span=480)  # a typical request's window (factory)
+        return best_step_after_prefill(runner, tokens)
+
+    def best_step_after_prefill(runner: Runner, tokens: torch.Tensor) -> float:
         times = []
         for _ in range(repeats):
             t0 = time.perf_counter()
@@ -93,8 +105,57 @@ def measure_cost_ratio(target: LoadedModel, draft_runner: Runner, repeats: int =
         target_step = best_step(Runner(model, 64, rows=rows, pad=pad), context)
     finally:
         model.k_cache, model.v_cache = saved
-    draft_step = best_step(draft_runner, context.to(draft_runner.model.device))
-    return draft_step / target_step
+    draft_context = context.to(draft_runner.model.device)
+    t0 = time.perf_counter()
+    draft_runner.prefill(draft_context, span=480)
+    prefill_per_token = (time.perf_counter() - t0) / draft_context.shape[0]
+    draft_step = best_step_after_prefill(draft_runner, draft_context)
+    return draft_step / target_step, prefill_per_token / target_step
+
+
+class LiveCostRatio:
+    """c = (seconds per draft-model guess) / (seconds per target pass), from the rounds' own
+    wall times: the model's time inside propose() per guess it made, and the target's time
+    between propose() returning and the next commit() (the engine's verification pass).
+
+    The build-time measurement (one step of each model after 32 tokens) underrates c in use:
+    the draft attends over the whole request and catches up on corrected tokens, and on a
+    CPU with native bfloat16 the target's padded pass costs the same for 1 or 16 rows (bench:
+    0.19-0.22 in use against ~0.12 measured). The estimate starts at `initial`, which counts
+    as PRIOR_ROUNDS observations; each observation decays by DECAY per round after it."""
+
+    PRIOR_ROUNDS = 2.0
+    DECAY = 0.9
+
+    def __init__(self, initial: float) -> None:
+        self.initial = initial
+        self.seconds_per_guess: float | None = None  # running means, decayed
+        self.seconds_per_pass: float | None = None
+        self.weight = 0.0  # decayed count of model rounds seen
+
+    @property
+    def value(self) -> float:
+        if self.seconds_per_guess is None or self.seconds_per_pass is None:
+            return self.initial
+        observed = self.seconds_per_guess / max(self.seconds_per_pass, 1e-9)
+        prior = self.PRIOR_ROUNDS
+        return (prior * self.initial + self.weight * observed) / (prior + self.weight)
+
+    def observe_draft(self, seconds: float, guesses: int) -> None:
+        if guesses <= 0:
+            return
+        per_guess = seconds / guesses
+        old = self.seconds_per_guess
+        self.seconds_per_guess = (
+            per_guess if old is None else self.DECAY * old + (1 - self.DECAY) * per_guess
+        )
+        self.weight = self.DECAY * self.weight + 1.0
+
+    def observe_pass(self, seconds: float) -> None:
+        old = self.seconds_per_pass
+        self.seconds_per_pass = (
+            seconds if old is None else self.DECAY * old + (1 - self.DECAY) * seconds
+        )
 
 
 def mixed_q(free: torch.Tensor, model_q: torch.Tensor) -> torch.Tensor:
@@ -130,11 +191,19 @@ class HybridProposer:
         free = DRAFTERS[free_method].from_models(target, None, max_context, **options)
         model = DraftModelProposer.from_models(target, draft, max_context)
         cost = opts["hybrid_cost_ratio"]
-        if cost is None:
-            cost = measure_cost_ratio(target, model.runner)
+        if cost is None:  # measured now, then learnt from the rounds' own times
+            cost, catch_up = measure_cost_ratio(target, model.runner)
+            return cls(free, model, cost, learn_cost=True, catch_up_ratio=catch_up)
         return cls(free, model, cost)
 
-    def __init__(self, free: FreeDrafter, model: DraftModelProposer, cost_ratio: float) -> None:
+    def __init__(
+        self,
+        free: FreeDrafter,
+        model: DraftModelProposer,
+        cost_ratio: float,
+        learn_cost: bool = False,
+        catch_up_ratio: float = 0.0,
+    ) -> None:
         if isinstance(cost_ratio, bool) or not isinstance(cost_ratio, int | float):
             raise UnderstudyError(f"hybrid_cost_ratio must be a number >= 0, got {cost_ratio!r}")
         if cost_ratio < 0:
@@ -142,6 +211,13 @@ class HybridProposer:
         self.free = free
         self.model = model  # not exposed as `.runner`: the engine's K stays the row budget
         self.cost_ratio = float(cost_ratio)
+        # learn_cost: c follows the rounds' wall times (LiveCostRatio), else stays cost_ratio
+        self.live_cost = LiveCostRatio(self.cost_ratio) if learn_cost else None
+        self._proposed_at: float | None = None  # when propose() returned: the pass starts
+        # a model round first feeds the draft every token it has not seen (after free rounds,
+        # the whole prompt on its first use): catch_up_ratio target passes per token, shared
+        # among the CATCH_UP_ROUNDS model rounds it serves
+        self.catch_up_ratio = float(catch_up_ratio)
         self.row_cost = 0.0  # v, set by the engine (factory.measure_row_cost)
         self.plans = {"free": 0, "model": 0, "mixed": 0, "none": 0}  # rounds, all requests
         self._reset_estimates()
@@ -161,11 +237,12 @@ class HybridProposer:
         """P(model guess i accepted | the guesses before it were)."""
         return self.model_estimate.acceptance(i)
 
-    def plan(self, k: int, free_len: int, match_len: int) -> tuple[int, int]:
+    def plan(self, k: int, free_len: int, match_len: int, unseen: int = 0) -> tuple[int, int]:
         """(j, K): use the first j free guesses, then K model guesses, for the most expected
-        tokens per unit of cost; (0, 0) (a plain pass) unless some plan beats it."""
+        tokens per unit of cost; (0, 0) (a plain pass) unless some plan beats it. `unseen`:
+        tokens the draft model must catch up on before it guesses."""
         alpha = self.free_hits[bucket(match_len)] / self.free_tries[bucket(match_len)]
-        c = self.cost_ratio
+        c = self.cost_ratio if self.live_cost is None else self.live_cost.value
         model_gain = [0.0]  # model_gain[K] = sum_{i<=K} prod_{t<=i} a_t
         reach = 1.0
         for i in range(k):
@@ -179,12 +256,15 @@ class HybridProposer:
                 free_gain += free_reach
             for n_model in range(k - j + 1):
                 cost = 1.0 + n_model * c + (j + n_model) * self.row_cost
+                if n_model:
+                    cost += unseen * self.catch_up_ratio / CATCH_UP_ROUNDS
                 rate = (1.0 + free_gain + free_reach * model_gain[n_model]) / cost
                 if rate > best_rate + 1e-12 and (j or n_model):
                     best_rate, best = rate, (j, n_model)
         return best
 
     def begin(self, prompt_ids: list[int]) -> None:
+        self._proposed_at = None  # c's live estimate carries over between requests
         self.free.begin(prompt_ids)
         self.model.begin(prompt_ids)
         self._reset_estimates()
@@ -194,7 +274,8 @@ class HybridProposer:
         self, tokens: list[int], k: int, params: SamplingParams, generator: torch.Generator
     ) -> Proposal:
         guesses, match_len = self.free.draft(tokens, k)
-        j, n_model = self.plan(min(k, MAX_MODEL_GUESSES), len(guesses), match_len)
+        unseen = len(tokens) - len(getattr(self.model, "fed", tokens))
+        j, n_model = self.plan(min(k, MAX_MODEL_GUESSES), len(guesses), match_len, unseen)
         self.plain_rounds = self.plain_rounds + 1 if j == n_model == 0 else 0
         if self.plain_rounds >= PROBE_EVERY and k > 0:
             self.plain_rounds, n_model = 0, 1  # a probe: let the model estimates recover
@@ -205,7 +286,12 @@ class HybridProposer:
         else:
             self.plans["mixed" if j else "model"] += 1
             context = tokens + guesses[:j] if j else tokens
+            if getattr(self.model, "stops_by_confidence", False):  # as method="draft": until doubt
+                n_model = k - j
+            started = time.perf_counter()
             extended = self.model.propose(context, n_model, params, generator)
+            if self.live_cost is not None:
+                self.live_cost.observe_draft(time.perf_counter() - started, extended.size)
             q = extended.draft_probs  # [K, vocab], or None (greedy)
             ids = torch.cat([free, extended.draft_ids])  # [j + K]
             if q is not None and j:
@@ -213,9 +299,13 @@ class HybridProposer:
             proposal = Proposal(ids, q)
             n_model = extended.size  # fewer when the draft stopped on its own doubt
         self._last = (len(tokens), proposal.draft_ids.tolist(), j, n_model, bucket(match_len))
+        self._proposed_at = time.perf_counter()
         return proposal
 
     def commit(self, tokens: list[int]) -> None:
+        if self.live_cost is not None and self._proposed_at is not None:
+            self.live_cost.observe_pass(time.perf_counter() - self._proposed_at)
+        self._proposed_at = None
         if self._last is not None:
             self._observe(tokens, *self._last)
             self._last = None

@@ -71,9 +71,11 @@ class Attention(nn.Module):
         self.split = (q_out, kv_out, kv_out)
         self.wqkv = nn.Linear(cfg.hidden_size, q_out + 2 * kv_out, bias=cfg.attention_bias)
         self.wo = nn.Linear(q_out, cfg.hidden_size, bias=False)
-        # passes of at most rows_apart_upto rows score each query row in its own attention call
-        # (a batch item), so a row's output does not depend on how many rows the pass holds
-        # (SDPA's blocking does); 0 = off. Longer passes (a prompt's chunks) stay batched.
+        # passes of at most rows_apart_upto rows score each query row in its own 1-row SDPA
+        # call, so a row's output does not depend on how many rows the pass holds: SDPA's
+        # blocking does, and so does its batch size (batch 1 vs 2+ differ on some CPUs, seen
+        # on an AVX-512 EPYC; a loop of 1-row calls costs what one batched call does there).
+        # 0 = off. Longer passes (a prompt's chunks) stay batched.
         self.rows_apart_upto = 0
 
     def forward(
@@ -104,14 +106,20 @@ class Attention(nn.Module):
             assert rows <= self.rows_apart_upto, "key_slots needs per-row attention"
             keys = k_cache[:, key_slots].transpose(0, 1)  # [R, Hkv, L, D]
             values = v_cache[:, key_slots].transpose(0, 1)  # [R, Hkv, L, D]
-        if rows <= self.rows_apart_upto:  # each query row its own batch item, one shape per row
-            out = F.scaled_dot_product_attention(
-                q.transpose(0, 1)[:, :, None],  # [R, H, 1, D]
-                keys.expand(rows, -1, -1, -1),
-                values.expand(rows, -1, -1, -1),
-                attn_mask=mask[:, None, None, :],  # [R, 1, 1, L]
-                enable_gqa=gqa,
-            )[:, :, 0]  # [R, H, D]
+        if rows <= self.rows_apart_upto:  # each query row its own call, the shape of a 1-row pass
+            per_row = keys.shape[0] > 1
+            out = torch.cat(
+                [
+                    F.scaled_dot_product_attention(
+                        q[None, :, r : r + 1],  # [1, H, 1, D]
+                        keys[r : r + 1] if per_row else keys,  # [1, Hkv, L, D]
+                        values[r : r + 1] if per_row else values,
+                        attn_mask=mask[r : r + 1],  # [1, L]
+                        enable_gqa=gqa,
+                    )[0, :, 0]  # [H, D]
+                    for r in range(rows)
+                ]
+            ).view(rows, cfg.num_heads, cfg.head_dim)  # [R, H, D]
         else:
             out = F.scaled_dot_product_attention(
                 q[None], keys, values, attn_mask=mask, enable_gqa=gqa
