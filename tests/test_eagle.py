@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import warnings
 from pathlib import Path
 
 import pytest
@@ -133,6 +134,53 @@ def test_greedy_identity(trained, k):
     assert accepted > 0
 
 
+@pytest.mark.parametrize("k,branching", [(3, 2), (4, 3), ("auto", 2)])
+def test_greedy_tree_identity(trained, k, branching):
+    """tree="on": the head's trees (EAGLE-2) give plain decoding's tokens, and they branch."""
+    target, folder, _ = trained
+    engine = Engine.from_pretrained(
+        target=target,
+        method="eagle",
+        draft=str(folder),
+        dtype="float32",
+        num_speculative_tokens=k,
+        tree="on",
+        tree_branching=branching,
+    )
+    assert engine.tree and engine.exact is (not engine.pad)
+    plain = engine.with_method("none")
+    params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
+    accepted = branched = 0
+    for prompt in random_prompts(4, seed=13):
+        rounds = []
+        out = engine.stream(prompt, params, on_round=rounds.append)
+        assert [event.token_id for event in out] == plain.generate(prompt, params).token_ids
+        accepted += out.output.stats.accepted
+        for r in (r for r in rounds if r.drafted):  # the last rounds may have no room
+            assert r.parents is not None and len(r.drafted) <= engine.runner.rows - 1
+            branched += len(set(r.parents)) < len(r.parents)  # some node has two children
+    assert accepted > 0 and branched > 0
+
+
+def test_tree_rounds_hand_the_head_the_kept_path(trained):
+    """After tree rounds the head holds the target's features of exactly the kept tokens:
+    those of one prefill of the whole output (the kept path's hidden states, in order)."""
+    target, folder, _ = trained
+    engine = Engine.from_pretrained(
+        target=target, method="eagle", draft=str(folder), dtype="float32",
+        num_speculative_tokens=3, tree="on",
+    )  # fmt: skip
+    params = SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True)
+    prompt = random_prompts(1, seed=21)[0]
+    out = engine.generate(prompt, params)
+    assert out.stats.accepted > 0
+    sequence = torch.tensor(prompt + out.token_ids)
+    features, _ = target_features(load_model(target, "float32").model, sequence)
+    known = engine.proposer.known
+    assert known >= len(sequence) - 2
+    torch.testing.assert_close(engine.proposer.features[:known], features[:known])
+
+
 def test_missing_head_says_how_to_train_one(tiny_pair, tmp_path, monkeypatch):
     monkeypatch.setenv("UNDERSTUDY_CACHE", str(tmp_path))
     target, _ = tiny_pair
@@ -157,7 +205,7 @@ def test_head_of_another_target_is_refused(trained, tmp_path):
 
 
 @pytest.fixture(scope="module")
-def sampling_eagle(tmp_path_factory):
+def sampling_head(tmp_path_factory) -> tuple[str, Path]:
     """A head trained on the target's sampled text: its q overlaps p, yet differs often."""
     from conftest import make_tiny_pair
 
@@ -167,9 +215,26 @@ def sampling_eagle(tmp_path_factory):
     folder = tmp_path_factory.mktemp("eagle_sampling_head")
     sequences = target_written_text(target, 40, seed=1, temperature=1.0)
     train_head(load_model(target, "float32"), sequences, folder, "test", SETTINGS, False)
+    return target, folder
+
+
+@pytest.fixture(scope="module")
+def sampling_eagle(sampling_head):
+    target, folder = sampling_head
     return Engine.from_pretrained(
         target=target, method="eagle", draft=str(folder), dtype="float32", num_speculative_tokens=2
     )
+
+
+@pytest.fixture(scope="module")
+def sampling_eagle_tree(sampling_head):
+    target, folder = sampling_head
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # a non-default budget, when passes are padded
+        return Engine.from_pretrained(
+            target=target, method="eagle", draft=str(folder), dtype="float32",
+            num_speculative_tokens=2, verify_rows=7, tree="on", tree_branching=3,
+        )  # fmt: skip
 
 
 @pytest.mark.parametrize("warp", list(WARPS))
@@ -190,6 +255,25 @@ def test_wrong_verifier_fails_the_same_test(sampling_eagle, monkeypatch):
     params = SamplingParams(ignore_eos=True, **WARPS["top_k"])
     pvalue = goodness_of_fit(sampling_eagle, [11, 42, 7], params, samples=1500)
     assert pvalue < P_THRESHOLD, f"the wrong verifier was not detected (p = {pvalue:.3f})"
+
+
+@pytest.mark.parametrize("warp", ["top_k", "min_p"])
+def test_tree_sampling_matches_target_law(sampling_eagle_tree, warp):
+    """The head's trees, sampled: N = 1500 samples of (x1, x2, x3), chi-squared, p > 0.001."""
+    params = SamplingParams(ignore_eos=True, **WARPS[warp])
+    pvalue = goodness_of_fit(sampling_eagle_tree, [11, 42, 7], params, samples=1500)
+    assert pvalue > P_THRESHOLD, f"{warp}: p = {pvalue:.2e}"
+
+
+def test_wrong_tree_rule_fails_the_same_test(sampling_eagle_tree, monkeypatch):
+    """Mutation: the sibling rule that never takes rejected siblings out of p is detected."""
+    import understudy.engine as engine_module
+    from test_tree import wrong_sibling_rule
+
+    monkeypatch.setattr(engine_module, "verify_tree_sampling", wrong_sibling_rule)
+    params = SamplingParams(ignore_eos=True, **WARPS["top_k"])
+    pvalue = goodness_of_fit(sampling_eagle_tree, [11, 42, 7], params, samples=1500)
+    assert pvalue < P_THRESHOLD, f"the wrong sibling rule was not detected (p = {pvalue:.3f})"
 
 
 # -- the command line ------------------------------------------------------------------------

@@ -87,7 +87,7 @@ def test_runner_tree_pass_mask_positions_slots(tiny_pair, monkeypatch):
     tree = TokenTree(torch.tensor([5, 7, 9, 4, 6, 8]), torch.tensor([-1, 0, 0, 1, 1, 2]))
     seen = {}
 
-    def spy(tokens, positions, slots, mask, logit_rows=None):
+    def spy(tokens, positions, slots, mask, logit_rows=None, key_slots=None):
         seen.update(tokens=tokens, positions=positions, slots=slots, mask=mask)
         return torch.zeros(tokens.shape[0], model.cfg.vocab_size)
 

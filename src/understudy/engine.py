@@ -8,11 +8,11 @@ Greedy output is the target's own argmax sequence bit for bit, because every tar
 pass has the same shape (see models/runner.py); sampled output has the target's
 distribution (verify.py).
 
-Trees (method="draft", option tree="on" | "auto"): the drafter proposes a token tree
+Trees (methods "draft" and "eagle", option tree="on" | "auto"): the drafter proposes a token tree
 (understudy.tree) instead of a chain (tree="auto": in the rounds where trees have yielded more
 tokens per modelled cost than chains over the engine's requests, tree_choice.py); the target
-scores all its nodes in one pass (`Runner.tree_pass`), verify_tree.py picks the accepted root-to-node path, and
-`Runner.keep_path` compacts that path's KV to the slots after the prefix, leaving the same
+scores all its nodes in one pass (`Runner.tree_pass`), verify_tree.py picks the accepted
+root-to-node path, and `Runner.keep_path` compacts that path's KV to the slots after the prefix, leaving the same
 invariant as a chain round. Stats: drafted = nodes in the tree, accepted = path length.
 Tree output is lossless (sampling: exact law; greedy: the target's argmax at every step).
 With row-invariant kernels (unpadded passes) each node attends to its path's keys gathered
@@ -278,6 +278,8 @@ class Engine:
         else:
             verdict = verify_tree_sampling(tree, warp_probs(logits, params), gen)
         self.runner.keep_path(offsets[[0, *verdict.path]])  # root + accepted nodes
+        if self.observe_hidden is not None:  # the root's and the kept nodes' hidden states
+            self.observe_hidden(self.runner.last_hidden[[0, *verdict.path]], len(tokens) - 1)
         return verdict, tree.depth
 
     def _stream(

@@ -39,6 +39,7 @@ from understudy.config import SamplingParams, UnderstudyError
 from understudy.drafters.base import EMPTY, Proposal, register
 from understudy.drafters.calibration import AcceptanceCalibration
 from understudy.drafters.ngram import positive_int, take_options
+from understudy.drafters.tree_search import BestFirstTree, tree_log_scores
 from understudy.models.loader import LoadedModel
 from understudy.models.runner import Runner
 from understudy.sampling import sample, warp_probs
@@ -181,14 +182,6 @@ class DraftModelProposer:
         self.fed = tokens[: self.runner.length]
         return logits
 
-    @staticmethod
-    def _log_scores(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
-        """[n, V] -> [n, V] log draft probabilities used to rank tree nodes (greedy: the
-        plain softmax, since the warped one is one-hot; sampling: the warped q)."""
-        if params.greedy:
-            return torch.log_softmax(logits.float(), dim=-1)
-        return warp_probs(logits, params).log()
-
     @torch.inference_mode()
     def propose_tree(
         self,
@@ -203,76 +196,27 @@ class DraftModelProposer:
         a node are its top-b draft tokens: deterministic, verified one by one)."""
         if depth < 1 or nodes < 1:
             return EMPTY
-        runner, b = self.runner, self.branching
+        runner = self.runner
         device = runner.model.device
         root_logits = self._catch_up(tokens)  # [1, V]
         base = runner.length - 1  # the root (tokens[-1]) sits at this slot of the draft's cache
-        # candidates, parallel lists; parent -1 = the root
-        tok: list[int] = []
-        parent: list[int] = []
-        score: list[float] = []
-        level: list[int] = []
-        slot: dict[int, int] = {}  # candidate -> offset from the root's slot, once fed
-
-        def add_children(of: int, of_score: float, of_level: int, logits: torch.Tensor) -> None:
-            logq = self._log_scores(logits[None], params)[0]  # [V]
-            top = torch.topk(logq, min(b, logq.shape[0]))
-            for value, token in zip(top.values.tolist(), top.indices.tolist(), strict=True):
-                if value == float("-inf"):
-                    break
-                tok.append(token)
-                parent.append(of)
-                score.append(of_score + value)
-                level.append(of_level + 1)
-
-        add_children(-1, 0.0, 0, root_logits[0])
-        newest = list(range(len(tok)))
-        fed = 1  # slots used after the root's (offset 0 is the root itself)
+        tree = BestFirstTree(nodes, self.branching)
+        tree.grow([-1], tree_log_scores(root_logits, params), None)
         for d in range(1, depth):
-            # a child scores at most its parent: only parents above the current cut can help
-            cut = sorted(score, reverse=True)[nodes - 1] if len(score) >= nodes else float("-inf")
-            expand = sorted((c for c in newest if score[c] > cut), key=lambda c: -score[c])[:b]
+            expand = tree.expansion()
             if not expand:
                 break
-            e = len(expand)
-            visible = torch.zeros(e, fed + e, dtype=torch.bool)  # [e, span]
-            visible[:, 0] = True  # the root
-            for row, c in enumerate(expand):
-                slot[c] = fed + row
-                a = c
-                while a != -1:
-                    visible[row, slot[a]] = True
-                    a = parent[a]
+            offsets, visible = tree.visibility(expand)
             logits = runner.tree_pass(
-                torch.tensor([tok[c] for c in expand], device=device),
-                torch.full((e,), d, dtype=torch.long),
-                torch.arange(fed, fed + e),
+                torch.tensor([tree.token[c] for c in expand], device=device),
+                torch.full((len(expand),), d, dtype=torch.long),
+                offsets,
                 visible,
                 base=base,
             )  # [e, V]
-            fed += e
-            first_new = len(tok)
-            for row, c in enumerate(expand):
-                add_children(c, score[c], d, logits[row])
-            newest = list(range(first_new, len(tok)))
+            tree.grow(expand, tree_log_scores(logits, params), None)
         runner.truncate(len(tokens))  # forget the tree: the draft's cache holds tokens again
-        keep = sorted(range(len(tok)), key=lambda c: (-score[c], level[c], c))[:nodes]
-        kept = set(keep)
-        rank = {c: i for i, c in enumerate(keep)}  # likelier first among siblings
-        kids: dict[int, list[int]] = {}
-        for c in sorted(keep, key=rank.get):
-            assert parent[c] == -1 or parent[c] in kept  # closed under parents
-            kids.setdefault(parent[c], []).append(c)
-        order: list[int] = []  # depth-first, likelier siblings first
-        stack = list(reversed(kids.get(-1, [])))
-        while stack:
-            c = stack.pop()
-            order.append(c)
-            stack.extend(reversed(kids.get(c, [])))
-        index = {c: i for i, c in enumerate(order)}
-        ids = torch.tensor([tok[c] for c in order], dtype=torch.long)
-        parents = torch.tensor([index[parent[c]] if parent[c] != -1 else -1 for c in order])
-        return Proposal(ids, None, parents)
+        return tree.proposal()
 
     def commit(self, tokens: list[int]) -> None:
         if self.round_probs:  # how many of the latest round's guesses the target kept

@@ -13,6 +13,13 @@ the target only if they are accepted.
 
 The draft vocabulary is the head's N most frequent target tokens: q is zero elsewhere,
 which rejection sampling handles like any other q (verify.py), so sampling stays exact.
+
+Trees (option tree="on" | "auto", as method="draft"; EAGLE-2): `propose_tree` grows a tree
+best-first (drafters/tree_search.py). Depth by depth the chosen nodes are fed to the head
+in ONE step as pairs (their parent's predicted feature, their token), each attending to
+the real pairs and its own ancestors (`EagleHead.tree_step`); their predictions score
+their children. The nodes' pairs sit past the head's real pairs and are forgotten after
+the round, so the invariant above holds.
 """
 
 from __future__ import annotations
@@ -24,12 +31,18 @@ from pathlib import Path
 import torch
 
 from understudy.config import SamplingParams, UnderstudyError
-from understudy.drafters.base import Proposal, register
-from understudy.drafters.ngram import take_options
+from understudy.drafters.base import EMPTY, Proposal, register
+from understudy.drafters.draft_model import TREE_MODES
+from understudy.drafters.ngram import positive_int, take_options
+from understudy.drafters.tree_search import BestFirstTree, tree_log_scores
 from understudy.models.eagle_head import CONFIG_FILE, EagleHead, load_head, read_head_config
 from understudy.models.fetch import cache_dir
 from understudy.models.loader import LoadedModel
 from understudy.sampling import sample, warp_probs
+
+# head cache slots past the real pairs, for a tree's nodes (a round stops growing its tree
+# before they run out)
+TREE_SLOTS = 256
 
 
 def target_key(name: str) -> str:
@@ -74,17 +87,26 @@ class EagleProposer:
     def from_models(
         cls, target: LoadedModel, draft: LoadedModel | None, max_context: int, **options: object
     ) -> EagleProposer:
-        opts = take_options("eagle", options, {"head": None})
+        opts = take_options("eagle", options, {"head": None, "tree": "off", "tree_branching": 2})
+        if opts["tree"] not in TREE_MODES:
+            raise UnderstudyError(
+                f"tree must be one of {', '.join(TREE_MODES)}, got {opts['tree']!r}"
+            )
+        branching = positive_int("eagle", "tree_branching", opts["tree_branching"])
         folder = find_head(target, opts["head"])  # type: ignore[arg-type]
-        return cls(load_head(folder, target.model), max_context)
+        return cls(load_head(folder, target.model), max_context, str(opts["tree"]), branching)
 
-    def __init__(self, head: EagleHead, max_context: int) -> None:
+    def __init__(
+        self, head: EagleHead, max_context: int, tree: str = "off", branching: int = 2
+    ) -> None:
         self.head = head
         hidden = head.cfg.hidden_size
         self.features = torch.zeros(max_context + 1, hidden)  # [P, hidden] f_p, real ones
         self.known = 0  # features are valid for positions 0..known-1
-        head.allocate_cache(max_context + 1)
+        head.allocate_cache(max_context + 1 + TREE_SLOTS)
         self.vocab = head.vocab.cpu()  # [N] draft vocabulary id -> target token id
+        self.tree = tree  # "off", "on" or "auto" (the engine decides each round)
+        self.branching = branching
 
     def begin(self, prompt_ids: list[int]) -> None:
         self.known = 0
@@ -116,12 +138,8 @@ class EagleProposer:
     def propose(
         self, tokens: list[int], k: int, params: SamplingParams, generator: torch.Generator
     ) -> Proposal:
-        head, real = self.head, len(tokens) - 1  # pairs with real features: 0..real-1
-        assert self.known >= real, (self.known, real)
-        start = head.length
-        predicted = head.extend(
-            torch.tensor(tokens[start + 1 : real + 1]), self.features[start:real]
-        )[-1]  # [hidden] f^ for the position of tokens[-1]
+        head, real = self.head, len(tokens) - 1
+        predicted = self._catch_up(tokens)  # [hidden] f^ for the position of tokens[-1]
         ids: list[int] = []
         probs: list[torch.Tensor] = []
         for i in range(k):
@@ -133,6 +151,53 @@ class EagleProposer:
                 predicted = head.extend(torch.tensor([token]), predicted[None])[0]
         head.truncate(real)
         return Proposal(torch.tensor(ids, dtype=torch.long), torch.stack(probs) if probs else None)
+
+    def _catch_up(self, tokens: list[int]) -> torch.Tensor:
+        """Feed the real pairs the head has not seen; return its predicted feature for the
+        position of tokens[-1] [hidden] (whose logits guess the token after it)."""
+        head, real = self.head, len(tokens) - 1  # pairs with real features: 0..real-1
+        assert self.known >= real, (self.known, real)
+        start = head.length
+        unseen = torch.tensor(tokens[start + 1 : real + 1])  # tokens of pairs start..real-1
+        return head.extend(unseen, self.features[start:real])[-1]
+
+    @torch.inference_mode()
+    def propose_tree(
+        self,
+        tokens: list[int],
+        depth: int,
+        nodes: int,
+        params: SamplingParams,
+        generator: torch.Generator,
+    ) -> Proposal:
+        """A tree of at most `nodes` guesses and `depth` levels, grown best-first (module
+        docstring); draft_probs is None (children are the head's top-b guesses)."""
+        if depth < 1 or nodes < 1:
+            return EMPTY
+        head, real = self.head, len(tokens) - 1
+        root = self._catch_up(tokens)  # [hidden]
+        base = real - 1  # the root's pair (f_{real-1}, tokens[-1]) sits at this slot
+        room = self.head.k_cache.shape[1] - base  # type: ignore[union-attr]
+        tree = BestFirstTree(nodes, self.branching)
+        tree.grow([-1], tree_log_scores(head.draft_logits(root[None]), params), self.vocab)
+        predicted = {-1: root}  # candidate -> the head's prediction after it, once fed
+        for _ in range(1, depth):
+            expand = tree.expansion()
+            if not expand or tree.fed + len(expand) > room:
+                break
+            offsets, visible = tree.visibility(expand)
+            out = head.tree_step(
+                torch.tensor([tree.token[c] for c in expand]),
+                torch.stack([predicted[tree.parent[c]] for c in expand]),  # [e, hidden]
+                base,
+                torch.tensor([tree.level[c] for c in expand]),
+                offsets,
+                visible,
+            )  # [e, hidden]
+            predicted.update(zip(expand, out, strict=True))
+            tree.grow(expand, tree_log_scores(head.draft_logits(out), params), self.vocab)
+        head.truncate(real)
+        return tree.proposal()
 
     def commit(self, tokens: list[int]) -> None:
         """Nothing to roll back: `propose` leaves only real pairs in the head's cache."""

@@ -188,6 +188,38 @@ class EagleHead(nn.Module):
         self.length = start + n
         return out
 
+    @torch.inference_mode()
+    def tree_step(
+        self,
+        tokens: torch.Tensor,  # [e] tree nodes
+        features: torch.Tensor,  # [e, hidden] each node's parent's predicted feature
+        base: int,
+        depths: torch.Tensor,  # [e] their depths (the root, tokens[-1], is depth 0)
+        offsets: torch.Tensor,  # [e] their slots relative to base
+        visible: torch.Tensor,  # [e, span] bool: which slots base + j each node sees
+    ) -> torch.Tensor:
+        """Feed tree nodes as pairs (their parent's feature, their token) in one step; return
+        their predicted next features [e, hidden]. The root's pair sits at slot and position
+        `base` (the newest real pair); a node of depth d is written to slot base + offset at
+        position base + d and attends to the real pairs before base and to the slots it sees
+        (its ancestors and itself). `length` is unchanged: the nodes sit past it."""
+        assert self.k_cache is not None and self.v_cache is not None, "allocate_cache first"
+        e, span = visible.shape
+        assert base + span <= self.k_cache.shape[1], "the head's cache is full"
+        device = self.fc.weight.device
+        mask = torch.zeros(e, base + span, dtype=torch.bool, device=device)  # [e, L]
+        mask[:, :base] = True
+        mask[:, base:] = visible.to(device)
+        return self.step(
+            tokens.to(device),
+            features.to(device, self.fc.weight.dtype),
+            base + depths.to(device),
+            base + offsets.to(device),
+            mask,
+            self.k_cache,
+            self.v_cache,
+        )
+
 
 # -- files ---------------------------------------------------------------------------------
 

@@ -42,7 +42,8 @@ class Runner:
         self.slots = max_context + max(rows or 0, PREFILL_CHUNK)
         self.window: int | None = None  # fixed key window for this request (None: grows)
         # keep_hidden: remember the final hidden states of the real rows of the latest pass
-        # (the whole prompt after `prefill`) in `last_hidden` [n, hidden], for method="eagle"
+        # (the whole prompt after `prefill`; a tree pass's nodes in tree order) in
+        # `last_hidden` [n, hidden], for method="eagle"
         self.keep_hidden = False
         self.last_hidden: torch.Tensor | None = None
         model.allocate_cache(self.slots)
@@ -64,14 +65,28 @@ class Runner:
         positions = torch.arange(start, start + rows, device=device)  # [rows]
         keys = max(self.window or 0, start + rows)
         mask = torch.arange(keys, device=device)[None, :] <= positions[:, None]  # [rows, L]
-        if self.keep_hidden:  # the same operations as Transformer.forward, hidden kept
-            hidden = self.model.hidden_states(padded, positions, positions, mask)  # [rows, H]
-            self.last_hidden = hidden[:n]
-            logits = self.model.lm_head(hidden[logit_rows]).float()
-        else:
-            logits = self.model(padded, positions, positions, mask, logit_rows)
+        logits = self._score(n, padded, positions, positions, mask, logit_rows)
         self.length = start + n
         return logits
+
+    def _score(
+        self,
+        n: int,
+        tokens: torch.Tensor,  # [R]
+        positions: torch.Tensor,  # [R]
+        slots: torch.Tensor,  # [R]
+        mask: torch.Tensor,  # [R, L]
+        logit_rows: slice | None = None,
+        key_slots: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Transformer.forward; with keep_hidden, the final hidden states of the first `n`
+        (real) rows are kept in `last_hidden` [n, hidden] (the same operations)."""
+        if not self.keep_hidden:
+            return self.model(tokens, positions, slots, mask, logit_rows, key_slots)
+        hidden = self.model.hidden_states(tokens, positions, slots, mask, key_slots)  # [R, H]
+        self.last_hidden = hidden[:n]
+        rows = hidden if logit_rows is None else hidden[logit_rows]
+        return self.model.lm_head(rows).float()
 
     @torch.inference_mode()
     def tree_pass(
@@ -113,7 +128,7 @@ class Runner:
         mask[torch.arange(n, rows, device=device), filler] = True
         if not self.pad:  # row-invariant kernels: each node sees its path where a chain would
             return self._tree_pass_as_chains(tokens, depths, offsets, visible, base, keys)
-        return self.model(padded, positions, slots, mask)[:n]  # all rows, as a chain pass
+        return self._score(n, padded, positions, slots, mask)[:n]  # as a chain pass
 
     def _tree_pass_as_chains(
         self,
@@ -137,7 +152,7 @@ class Runner:
         depths = depths.to(device)
         mask = torch.arange(keys, device=device)[None, :] <= (base + depths)[:, None]  # [n, keys]
         slots, positions = base + offsets.to(device), base + depths
-        return self.model(tokens.to(device), positions, slots, mask, key_slots=key_slots)
+        return self._score(n, tokens.to(device), positions, slots, mask, None, key_slots)
 
     @torch.inference_mode()
     def keep_path(self, offsets: torch.Tensor | list[int], base: int | None = None) -> None:
