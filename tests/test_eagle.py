@@ -21,7 +21,7 @@ from test_exactness import P_THRESHOLD, WARPS, goodness_of_fit, random_prompts
 from understudy import Engine, SamplingParams, UnderstudyError
 from understudy.head.features import target_features
 from understudy.head.pipeline import HeadSettings, train_head
-from understudy.head.train import TrainConfig, evaluate
+from understudy.head.train import TrainConfig, evaluate, training_autocast, unrolled_losses
 from understudy.models.eagle_head import EagleHead, load_head
 from understudy.models.loader import load_model
 
@@ -73,6 +73,63 @@ def test_training_learns_the_targets_next_tokens(trained):
     bad = evaluate(untrained.eval(), data, SETTINGS.train, scale)
     assert good[0] > 0.3 and good[0] > bad[0] + 0.25, (good, bad)  # measured: 0.44 vs 0.004
     assert len(meta["val_agree"]) == SETTINGS.train.unroll
+
+
+def one_sequence_data(target: str) -> dict[str, torch.Tensor]:
+    model = load_model(target, "float32").model
+    tokens = torch.tensor(target_written_text(target, 1, seed=7, temperature=0.0))  # [1, 64]
+    features, argmax = target_features(model, tokens[0])
+    return {"tokens": tokens, "features": features[None], "argmax": argmax[None]}
+
+
+def test_feature_noise_is_random_seeded_and_off_at_zero(trained):
+    """feature_noise perturbs the head's inputs (the loss moves), reproducibly under a seed,
+    and not at all at 0 (the value `evaluate` uses)."""
+    target, folder, meta = trained
+    head = load_head(folder, load_model(target, "float32").model)
+    data = one_sequence_data(target)
+    scale = float(meta["feature_scale"])
+
+    def loss(noise: float, seed: int) -> float:
+        torch.manual_seed(seed)
+        with torch.no_grad():
+            total, _ = unrolled_losses(
+                head, data["tokens"], data["features"], data["argmax"], 2, scale, 1.0, noise
+            )
+        return float(total)
+
+    assert loss(0.0, 1) == loss(0.0, 2)
+    assert loss(0.3, 1) == loss(0.3, 1)
+    assert loss(0.3, 1) != loss(0.3, 2) and loss(0.3, 1) != loss(0.0, 1)
+    with pytest.raises(UnderstudyError, match="feature_noise"):
+        TrainConfig(feature_noise=-0.1)
+    with pytest.raises(UnderstudyError, match="precision"):
+        TrainConfig(precision="float8")
+
+
+def test_training_precisions(tiny_pair, tmp_path):
+    """bfloat16 autocast runs the step's matmuls in bf16; both precisions train a head that
+    agrees with the target held out."""
+    with training_autocast("bfloat16", torch.device("cpu")):
+        assert torch.is_autocast_enabled("cpu")
+        assert (
+            torch.nn.functional.linear(torch.ones(2, 4), torch.ones(3, 4)).dtype == torch.bfloat16
+        )
+    with training_autocast("float32", torch.device("cpu")):
+        assert not torch.is_autocast_enabled("cpu")
+    target, _ = tiny_pair
+    sequences = target_written_text(target, 40, seed=0, temperature=0.0)
+    for precision in ("float32", "bfloat16"):
+        settings = HeadSettings(
+            intermediate_size=96,
+            draft_vocab_size=256,
+            train=TrainConfig(
+                epochs=8, batch=4, lr=3e-3, warmup=5, checkpoint_every=1000, precision=precision
+            ),
+        )
+        folder = tmp_path / precision
+        meta = train_head(load_model(target, "float32"), sequences, folder, "t", settings, False)
+        assert meta["val_agree"][0] > 0.15, (precision, meta["val_agree"])  # untrained: ~0.004
 
 
 def test_saved_files_and_resume(trained, tiny_pair):
@@ -297,3 +354,6 @@ def test_train_head_and_generate_from_the_command_line(tiny_pair, tmp_path):
     assert json.loads(fast.stdout)["token_ids"] == json.loads(slow.stdout)["token_ids"]
     bad = cli("train-head", *common, "--data", str(tmp_path / "missing"))
     assert bad.returncode == 2 and "no such file" in " ".join(bad.stderr.split())
+    for option, value in (("--precision", "float8"), ("--feature-noise", "-1")):
+        bad = cli("train-head", *common, option, value)
+        assert bad.returncode == 2 and option in " ".join(bad.stderr.split()), bad.stderr

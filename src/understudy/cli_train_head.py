@@ -47,6 +47,16 @@ def train_head_command(
     batch: Annotated[int, typer.Option(help="Sequences per optimizer step.")] = 2,
     lr: Annotated[float, typer.Option(help="Peak learning rate (warm-up, then cosine).")] = 6e-4,
     unroll: Annotated[int, typer.Option(help="Drafting steps unrolled in training.")] = 2,
+    feature_noise: Annotated[
+        float,
+        typer.Option(help="Uniform noise on the input features, in feature stds (0 = off)."),
+    ] = 0.2,
+    precision: Annotated[
+        str,
+        typer.Option(
+            help="Training matmuls: auto (bfloat16 where the hardware has it), float32, bfloat16."
+        ),
+    ] = "auto",
     intermediate_size: Annotated[int, typer.Option(help="The head's MLP width.")] = 4096,
     draft_vocab: Annotated[int, typer.Option(help="Tokens the head can guess.")] = 8192,
     progress: Annotated[bool, typer.Option(help="Show progress bars.")] = True,
@@ -57,7 +67,7 @@ def train_head_command(
     from understudy.drafters.eagle import default_head_dir
     from understudy.head.corpus import stdlib_files, text_files, token_sequences
     from understudy.head.pipeline import HeadSettings, train_head
-    from understudy.head.train import TrainConfig
+    from understudy.head.train import PRECISIONS, TrainConfig
     from understudy.models.loader import load_model
     from understudy.models.registry import DEFAULT_TARGET
 
@@ -74,6 +84,18 @@ def train_head_command(
             fail(f"--{name} must be at least {low}, got {value}")
     if not lr > 0:
         fail(f"--lr must be positive, got {lr}")
+    if not feature_noise >= 0:
+        fail(f"--feature-noise must be >= 0, got {feature_noise}")
+    if precision not in PRECISIONS:
+        fail(f"--precision must be one of {', '.join(PRECISIONS)}, got {precision!r}")
+    train_cfg = TrainConfig(
+        epochs=epochs,
+        batch=batch,
+        lr=lr,
+        unroll=unroll,
+        feature_noise=feature_noise,
+        precision=precision,
+    )
     err = Console(stderr=True, highlight=False)
     try:
         loaded = load_model(target or DEFAULT_TARGET)
@@ -100,7 +122,7 @@ def train_head_command(
         settings = HeadSettings(
             intermediate_size=intermediate_size,
             draft_vocab_size=draft_vocab,
-            train=TrainConfig(epochs=epochs, batch=batch, lr=lr, unroll=unroll),
+            train=train_cfg,
         )
         meta = train_head(loaded, sequences, folder, corpus, settings, progress)
     except (UnderstudyError, FileNotFoundError) as error:

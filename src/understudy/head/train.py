@@ -10,6 +10,14 @@ Drafting feeds the head its own predictions, so training unrolls `unroll` steps 
 EAGLE-3's training-time test): step s feeds the predictions of step s-1 as the features,
 and every step is scored against the real features and distributions.
 
+Two guards for a head trained on little text (it overfits: in session 8 it agreed with the
+target on ~0.75 of training positions and 0.50 held out):
+  - `feature_noise`: uniform noise on the real input features (EAGLE's augmentation), so the
+    head learns to read features that are not exactly the ones it saw; the targets stay clean;
+  - `precision`: the matmuls run under bfloat16 autocast where the hardware multiplies bf16
+    natively (~1.7x faster steps on a 2-core AVX512-BF16 CPU), so an hour buys more epochs.
+    Held-out agreement (`evaluate`) is always measured in float32.
+
 The metric that matters is `agree@s`: how often the head's argmax at step s equals the
 target's argmax (the acceptance rate of greedy drafting at depth s, on held-out sequences).
 
@@ -19,6 +27,7 @@ Checkpoints (`checkpoint.pt`: head, optimizer, step, config) are written every
 
 from __future__ import annotations
 
+import contextlib
 import math
 import time
 from dataclasses import asdict, dataclass
@@ -28,9 +37,12 @@ import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
+from understudy.config import UnderstudyError
 from understudy.models.eagle_head import EagleHead
+from understudy.models.loader import cpu_has_native_bf16
 
 CHECKPOINT = "checkpoint.pt"
+PRECISIONS = ("auto", "float32", "bfloat16")
 
 
 @dataclass(frozen=True)
@@ -44,6 +56,30 @@ class TrainConfig:
     weight_decay: float = 0.0
     seed: int = 0
     checkpoint_every: int = 100
+    # half-width of the uniform noise added to the real input features, in units of the
+    # features' std (0 = off); the first unrolled step reads them, later steps read the
+    # head's own predictions, which carry their own error
+    feature_noise: float = 0.2
+    precision: str = "auto"  # "auto" = bfloat16 where the hardware multiplies it natively
+
+    def __post_init__(self) -> None:
+        if self.precision not in PRECISIONS:
+            raise UnderstudyError(
+                f"precision must be one of {', '.join(PRECISIONS)}, got {self.precision!r}"
+            )
+        if not self.feature_noise >= 0:
+            raise UnderstudyError(f"feature_noise must be >= 0, got {self.feature_noise}")
+
+
+def training_autocast(precision: str, device: torch.device) -> contextlib.AbstractContextManager:
+    """bf16 autocast for the training step when `precision` asks for it (or "auto" and the
+    device multiplies bf16 natively); a no-op context otherwise."""
+    if precision == "auto":
+        native = cpu_has_native_bf16() if device.type == "cpu" else torch.cuda.is_bf16_supported()
+        precision = "bfloat16" if native else "float32"
+    if precision == "float32":
+        return contextlib.nullcontext()
+    return torch.autocast(device_type=device.type, dtype=torch.bfloat16)
 
 
 def choose_vocab(
@@ -71,10 +107,15 @@ def unrolled_losses(
     unroll: int,
     feature_scale: float,
     reg_weight: float,
+    feature_noise: float = 0.0,
 ) -> tuple[torch.Tensor, list[float]]:
-    """Total loss over `unroll` steps and the argmax agreement at each step."""
+    """Total loss over `unroll` steps and the argmax agreement at each step. `feature_noise`
+    (see TrainConfig) perturbs the real input features only, never the targets."""
     # target at step s for input pair t: f_{t+s}, distribution of token t+s+1
     inputs = features[:, :-1]  # [B, T-1, H] f_t
+    if feature_noise > 0:
+        noise = torch.rand_like(inputs).sub_(0.5).mul_(2 * feature_noise * feature_scale)
+        inputs = inputs + noise  # [B, T-1, H]
     total = features.new_zeros(())
     agree = []
     vocab_index = torch.full((head.cfg.target_vocab_size,), -1, dtype=torch.long)
@@ -167,15 +208,17 @@ def train(
         t0 = time.perf_counter()
         for group in optimizer.param_groups:
             group["lr"] = _lr_at(step, total_steps, cfg)
-        loss, agree = unrolled_losses(
-            head,
-            train_data["tokens"][rows].long(),
-            train_data["features"][rows].float(),
-            train_data["argmax"][rows].long(),
-            cfg.unroll,
-            feature_scale,
-            cfg.reg_weight,
-        )
+        with training_autocast(cfg.precision, head.fc.weight.device):
+            loss, agree = unrolled_losses(
+                head,
+                train_data["tokens"][rows].long(),
+                train_data["features"][rows].float(),
+                train_data["argmax"][rows].long(),
+                cfg.unroll,
+                feature_scale,
+                cfg.reg_weight,
+                cfg.feature_noise,
+            )
         optimizer.zero_grad()
         loss.backward()
         torch.nn.utils.clip_grad_norm_(params, 1.0)

@@ -97,8 +97,9 @@ class Attention(nn.Module):
         v = v.view(rows, cfg.num_kv_heads, cfg.head_dim).transpose(0, 1)  # [Hkv, R, D]
         q = q * cos + rotate_half(q) * sin
         k = k * cos + rotate_half(k) * sin
-        k_cache.index_copy_(1, slots, k)
-        v_cache.index_copy_(1, slots, v)
+        # (a no-op cast except under autocast in training, where v comes out in bf16)
+        k_cache.index_copy_(1, slots, k.to(k_cache.dtype))
+        v_cache.index_copy_(1, slots, v.to(v_cache.dtype))
         length = mask.shape[-1]
         gqa = cfg.num_heads != cfg.num_kv_heads
         keys, values = k_cache[None, :, :length], v_cache[None, :, :length]  # [1, Hkv, L, D]
