@@ -15,7 +15,7 @@ target on ~0.75 of training positions and 0.50 held out):
   - `feature_noise`: uniform noise on the real input features (EAGLE's augmentation), so the
     head learns to read features that are not exactly the ones it saw; the targets stay clean;
   - `precision`: the matmuls run under bfloat16 autocast where the hardware multiplies bf16
-    natively (~1.7x faster steps on a 2-core AVX512-BF16 CPU), so an hour buys more epochs.
+    natively (1.65 s vs 3.0-3.3 s a step on a 2-core AVX512-BF16 CPU), so an hour buys more epochs.
     Held-out agreement (`evaluate`) is always measured in float32.
 
 The metric that matters is `agree@s`: how often the head's argmax at step s equals the
