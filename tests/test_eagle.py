@@ -238,6 +238,55 @@ def test_tree_rounds_hand_the_head_the_kept_path(trained):
     torch.testing.assert_close(engine.proposer.features[:known], features[:known])
 
 
+def test_doubt_ends_rounds_and_keeps_identity(trained):
+    """draft_path_confidence: at 1.0 every round stops after its first guess (a product of
+    probabilities below 1); at a low bar under automatic K, rounds run past the length
+    automatic K alone allows. Greedy output stays plain decoding's, and the calibration has
+    seen exactly the guesses the target judged."""
+    target, folder, _ = trained
+    plain = Engine.from_pretrained(target=target, method="none", dtype="float32")
+    params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
+    lengths = {}
+    for name, options in (
+        ("sure", {"num_speculative_tokens": 5, "draft_path_confidence": 1.0}),
+        ("bold", {"draft_path_confidence": 0.01}),
+        ("k", {"draft_path_confidence": 0.0}),
+    ):
+        engine = Engine.from_pretrained(
+            target=target, method="eagle", draft=str(folder), dtype="float32", **options
+        )
+        lengths[name] = []
+        for prompt in random_prompts(3, seed=17):
+            rounds = []
+            stream = engine.stream(prompt, params, on_round=rounds.append)
+            assert [e.token_id for e in stream] == plain.generate(prompt, params).token_ids
+            lengths[name] += [len(r.drafted) for r in rounds if r.drafted]
+            if name == "bold":
+                judged = sum(min(len(r.drafted), r.accepted + 1) for r in rounds if r.drafted)
+                assert sum(engine.proposer.calibration.seen) == judged
+    assert lengths["sure"] and set(lengths["sure"]) == {1}
+    assert max(lengths["bold"]) > max(lengths["k"]), lengths
+
+
+def test_doubt_options_settle_and_refuse_bad_values(trained):
+    from understudy.drafters.eagle import AUTO_PATH_CONFIDENCE
+
+    target, folder, _ = trained
+
+    def build(**options: object) -> Engine:
+        return Engine.from_pretrained(
+            target=target, method="eagle", draft=str(folder), dtype="float32", **options
+        )
+
+    assert build().proposer.path_confidence == AUTO_PATH_CONFIDENCE > 0
+    fixed = build(num_speculative_tokens=3).proposer
+    assert fixed.path_confidence == 0.0 and not fixed.stops_by_confidence
+    assert build(draft_confidence=0.3).proposer.confidence == 0.3
+    for name in ("draft_confidence", "draft_path_confidence"):
+        with pytest.raises(UnderstudyError, match=name):
+            build(**{name: 1.5})
+
+
 def test_missing_head_says_how_to_train_one(tiny_pair, tmp_path, monkeypatch):
     monkeypatch.setenv("UNDERSTUDY_CACHE", str(tmp_path))
     target, _ = tiny_pair
@@ -300,6 +349,18 @@ def test_sampling_matches_target_law(sampling_eagle, warp):
     params = SamplingParams(ignore_eos=True, **WARPS[warp])
     pvalue = goodness_of_fit(sampling_eagle, [11, 42, 7], params, samples=1500)
     assert pvalue > P_THRESHOLD, f"{warp}: p = {pvalue:.2e}"
+
+
+def test_sampling_law_with_doubt(sampling_head):
+    """Rounds cut short by the head's own doubt keep the target's law (p > 0.001)."""
+    target, folder = sampling_head
+    engine = Engine.from_pretrained(
+        target=target, method="eagle", draft=str(folder), dtype="float32",
+        num_speculative_tokens=3, draft_path_confidence=0.3,
+    )  # fmt: skip
+    params = SamplingParams(ignore_eos=True, **WARPS["top_k"])
+    pvalue = goodness_of_fit(engine, [11, 42, 7], params, samples=1500)
+    assert pvalue > P_THRESHOLD, f"p = {pvalue:.2e}"
 
 
 def test_wrong_verifier_fails_the_same_test(sampling_eagle, monkeypatch):

@@ -44,3 +44,41 @@ class AcceptanceCalibration:
             b = self._bin(p)
             self.seen[b] += 1.0
             self.kept[b] += 1.0 if i < kept else 0.0
+
+
+# a round's context is checked this far back before its guesses count for calibration (the
+# free guesses a hybrid round puts before the model's are fewer than a pass's rows)
+CONTEXT_CHECKED = 64
+
+
+class RoundRecord:
+    """A drafter's latest chain round, kept until the target has judged it, and the
+    calibration that learns from it (what a doubt-stopping drafter needs between rounds).
+
+    Invariant: a round is observed at most once, and only if the context it continued was
+    kept (under method="hybrid" that context may end in free guesses the target rejected);
+    then its guesses up to the first rejected one count, as AcceptanceCalibration requires."""
+
+    def __init__(self) -> None:
+        self.calibration = AcceptanceCalibration()
+        self.start = 0  # len(context) when the round was drafted
+        self.tail: list[int] = []  # context[-CONTEXT_CHECKED:]
+        self.ids: list[int] = []  # the round's guesses
+        self.probs: list[float] = []  # the drafter's own probability of each
+
+    def remember(self, context: list[int], ids: list[int], probs: list[float]) -> None:
+        self.start, self.tail = len(context), context[-CONTEXT_CHECKED:]
+        self.ids, self.probs = ids, probs
+
+    def judge(self, tokens: list[int]) -> None:
+        """The sequence after verification: count how many guesses were kept, once."""
+        if not self.probs:
+            return
+        start, tail = self.start, self.tail
+        if tokens[start - len(tail) : start] == tail:  # its context was kept: judged
+            judged = tokens[start : start + len(self.ids)]
+            kept = 0
+            while kept < len(judged) and judged[kept] == self.ids[kept]:
+                kept += 1
+            self.calibration.observe_round(self.probs, kept)
+        self.probs = []

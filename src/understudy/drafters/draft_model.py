@@ -37,7 +37,7 @@ import torch
 
 from understudy.config import SamplingParams, UnderstudyError
 from understudy.drafters.base import EMPTY, Proposal, register
-from understudy.drafters.calibration import AcceptanceCalibration
+from understudy.drafters.calibration import AcceptanceCalibration, RoundRecord
 from understudy.drafters.ngram import positive_int, take_options
 from understudy.drafters.tree_search import BestFirstTree, tree_log_scores
 from understudy.models.loader import LoadedModel
@@ -52,9 +52,6 @@ TREE_MODES = ("off", "on", "auto")
 # calibration was within 2% of the best fixed K or above it in all four categories; the raw
 # product at 0.3 (the previous default) fell 5% behind K = 4 on chat
 AUTO_PATH_CONFIDENCE = 0.2
-# a round's context is checked this far back before its guesses count for calibration (the
-# free guesses a hybrid round puts before the model's are fewer than a pass's rows)
-CONTEXT_CHECKED = 64
 
 
 def threshold(name: str, value: object) -> float | None:
@@ -109,14 +106,7 @@ class DraftModelProposer:
         self.confidence = confidence
         # ... or where the calibrated chance of keeping the whole round so far falls below this
         self.path_confidence = path_confidence
-        self.calibration = AcceptanceCalibration()
-        # the latest chain round, for calibration: the end of the context it continued
-        # (under method="hybrid" that context may end in free guesses the target can reject),
-        # its guesses and their draft probabilities
-        self.round_start = 0  # len(context)
-        self.round_tail: list[int] = []  # context[-CONTEXT_CHECKED:]
-        self.round_ids: list[int] = []
-        self.round_probs: list[float] = []
+        self.record = RoundRecord()  # the latest chain round, until the target judges it
 
     def default_confidence(self, automatic_k: bool) -> None:
         """Settle draft_path_confidence="auto": AUTO_PATH_CONFIDENCE with automatic K, else off."""
@@ -129,11 +119,14 @@ class DraftModelProposer:
     def stops_by_confidence(self) -> bool:
         return bool(self.confidence or self.path_confidence)
 
+    @property
+    def calibration(self) -> AcceptanceCalibration:
+        return self.record.calibration
+
     def begin(self, prompt_ids: list[int]) -> None:
         self.fed = []
         self.runner.truncate(0)
-        self.calibration = AcceptanceCalibration()
-        self.round_ids, self.round_probs = [], []
+        self.record = RoundRecord()
 
     def propose(
         self, tokens: list[int], k: int, params: SamplingParams, generator: torch.Generator
@@ -161,8 +154,7 @@ class DraftModelProposer:
                 logits = self.runner.extend(token.to(device))
                 self.fed.append(int(token))
         ids = torch.cat(draft_ids).cpu()  # [k]
-        self.round_start, self.round_tail = len(tokens), tokens[-CONTEXT_CHECKED:]
-        self.round_ids, self.round_probs = ids.tolist(), own_probs
+        self.record.remember(tokens, ids.tolist(), own_probs)
         return Proposal(ids, torch.stack(draft_probs).cpu() if draft_probs else None)
 
     @staticmethod
@@ -219,15 +211,7 @@ class DraftModelProposer:
         return tree.proposal()
 
     def commit(self, tokens: list[int]) -> None:
-        if self.round_probs:  # how many of the latest round's guesses the target kept
-            start, tail = self.round_start, self.round_tail
-            if tokens[start - len(tail) : start] == tail:  # its context was kept: judged
-                judged = tokens[start : start + len(self.round_ids)]
-                kept = 0
-                while kept < len(judged) and judged[kept] == self.round_ids[kept]:
-                    kept += 1
-                self.calibration.observe_round(self.round_probs, kept)
-            self.round_probs = []
+        self.record.judge(tokens)  # how many of the latest round's guesses the target kept
         keep = 0
         limit = min(len(self.fed), len(tokens))
         while keep < limit and self.fed[keep] == tokens[keep]:
