@@ -82,3 +82,36 @@ class RoundRecord:
                 kept += 1
             self.calibration.observe_round(self.probs, kept)
         self.probs = []
+
+
+class DoubtRules:
+    """The two round-ending rules a chain drafter may take (draft_confidence and
+    draft_path_confidence, drafters/draft_model.py), shared by method="draft" and "eagle".
+    A subclass sets `auto_path_confidence`, what "auto" (None) becomes under automatic K."""
+
+    auto_path_confidence = 0.0
+    confidence: float | None
+    path_confidence: float | None
+    record: RoundRecord
+
+    def init_doubt(self, confidence: float | None, path_confidence: float | None) -> None:
+        # stop a round at a guess the drafter doubts more (None: "auto", see default_confidence)
+        self.confidence = confidence
+        # ... or where the calibrated chance of keeping the whole round so far falls below this
+        self.path_confidence = path_confidence
+        self.record = RoundRecord()  # the latest chain round, until the target judges it
+
+    def default_confidence(self, automatic_k: bool) -> None:
+        """Settle "auto": auto_path_confidence with automatic K, else off (the engine calls it)."""
+        if self.confidence is None:
+            self.confidence = 0.0
+        if self.path_confidence is None:
+            self.path_confidence = self.auto_path_confidence if automatic_k else 0.0
+
+    @property
+    def stops_by_confidence(self) -> bool:
+        return bool(self.confidence or self.path_confidence)
+
+    @property
+    def calibration(self) -> AcceptanceCalibration:
+        return self.record.calibration

@@ -37,7 +37,7 @@ import torch
 
 from understudy.config import SamplingParams, UnderstudyError
 from understudy.drafters.base import EMPTY, Proposal, register
-from understudy.drafters.calibration import AcceptanceCalibration, RoundRecord
+from understudy.drafters.calibration import DoubtRules, RoundRecord
 from understudy.drafters.ngram import positive_int, take_options
 from understudy.drafters.tree_search import BestFirstTree, tree_log_scores
 from understudy.models.loader import LoadedModel
@@ -64,8 +64,9 @@ def threshold(name: str, value: object) -> float | None:
 
 
 @register("draft")
-class DraftModelProposer:
+class DraftModelProposer(DoubtRules):
     needs_draft_model = True
+    auto_path_confidence = AUTO_PATH_CONFIDENCE
 
     @classmethod
     def from_models(
@@ -102,26 +103,7 @@ class DraftModelProposer:
         self.fed: list[int] = []  # tokens whose KV the draft computed, in order
         self.tree = tree  # "off", "on" or "auto" (the engine decides each round: tree_choice.py)
         self.branching = branching
-        # stop a round at a guess the draft doubts more (None: "auto", see default_confidence)
-        self.confidence = confidence
-        # ... or where the calibrated chance of keeping the whole round so far falls below this
-        self.path_confidence = path_confidence
-        self.record = RoundRecord()  # the latest chain round, until the target judges it
-
-    def default_confidence(self, automatic_k: bool) -> None:
-        """Settle draft_path_confidence="auto": AUTO_PATH_CONFIDENCE with automatic K, else off."""
-        if self.confidence is None:
-            self.confidence = 0.0
-        if self.path_confidence is None:
-            self.path_confidence = AUTO_PATH_CONFIDENCE if automatic_k else 0.0
-
-    @property
-    def stops_by_confidence(self) -> bool:
-        return bool(self.confidence or self.path_confidence)
-
-    @property
-    def calibration(self) -> AcceptanceCalibration:
-        return self.record.calibration
+        self.init_doubt(confidence, path_confidence)
 
     def begin(self, prompt_ids: list[int]) -> None:
         self.fed = []

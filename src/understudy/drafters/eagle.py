@@ -37,7 +37,7 @@ import torch
 
 from understudy.config import SamplingParams, UnderstudyError
 from understudy.drafters.base import EMPTY, Proposal, register
-from understudy.drafters.calibration import AcceptanceCalibration, RoundRecord
+from understudy.drafters.calibration import DoubtRules, RoundRecord
 from understudy.drafters.draft_model import TREE_MODES, threshold
 from understudy.drafters.ngram import positive_int, take_options
 from understudy.drafters.tree_search import BestFirstTree, tree_log_scores
@@ -90,8 +90,9 @@ def find_head(target: LoadedModel, head: str | None) -> Path:
 
 
 @register("eagle")
-class EagleProposer:
+class EagleProposer(DoubtRules):
     needs_draft_model = False
+    auto_path_confidence = AUTO_PATH_CONFIDENCE
     takes_draft_path = True  # `draft=DIR` names the head's folder
 
     @classmethod
@@ -135,25 +136,7 @@ class EagleProposer:
         self.vocab = head.vocab.cpu()  # [N] draft vocabulary id -> target token id
         self.tree = tree  # "off", "on" or "auto" (the engine decides each round)
         self.branching = branching
-        # stop a chain round at a guess the head doubts (None: "auto", see default_confidence)
-        self.confidence = confidence
-        self.path_confidence = path_confidence
-        self.record = RoundRecord()  # the latest chain round, until the target judges it
-
-    def default_confidence(self, automatic_k: bool) -> None:
-        """Settle draft_path_confidence="auto": AUTO_PATH_CONFIDENCE with automatic K, else off."""
-        if self.confidence is None:
-            self.confidence = 0.0
-        if self.path_confidence is None:
-            self.path_confidence = AUTO_PATH_CONFIDENCE if automatic_k else 0.0
-
-    @property
-    def stops_by_confidence(self) -> bool:
-        return bool(self.confidence or self.path_confidence)
-
-    @property
-    def calibration(self) -> AcceptanceCalibration:
-        return self.record.calibration
+        self.init_doubt(confidence, path_confidence)
 
     def begin(self, prompt_ids: list[int]) -> None:
         self.known = 0
