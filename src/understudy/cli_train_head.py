@@ -2,6 +2,8 @@
 
     understudy train-head                            # default target, stdlib corpus, cache
     understudy train-head --target T --out DIR --data my_code/ --tokens 100000
+    understudy train-head --tokens 0 --self-tokens 122880 --init HEAD --out DIR
+                                                     # text the target writes, from a head
 
 The target runs once over the corpus (its features are cached in the output folder), then
 the head trains on the cache. Interrupt it at will: run the same command again and it
@@ -19,6 +21,12 @@ import typer
 from rich.console import Console
 
 from understudy.head.features import SHARD
+
+
+def whole_shards(count: int) -> int:
+    """At least 2 sequences, rounded up to whole shards past one shard."""
+    count = max(2, count)
+    return -(-count // SHARD) * SHARD if count > SHARD else count
 
 
 def train_head_command(
@@ -43,6 +51,20 @@ def train_head_command(
         ),
     ] = 163840,
     seq_len: Annotated[int, typer.Option(help="Tokens per training sequence.")] = 512,
+    self_tokens: Annotated[
+        int,
+        typer.Option(
+            help="Also train on text the target writes itself, this many tokens: standard "
+            "library docstrings as prompts, continued greedily (~45 tokens/s, batched)."
+        ),
+    ] = 0,
+    self_len: Annotated[
+        int, typer.Option(help="Tokens per self-written sequence (a divisor of --seq-len).")
+    ] = 256,
+    init: Annotated[
+        Path | None,
+        typer.Option(help="Start from this trained head (its folder) instead of a fresh one."),
+    ] = None,
     epochs: Annotated[int, typer.Option(help="Passes over the corpus.")] = 6,
     batch: Annotated[int, typer.Option(help="Sequences per optimizer step.")] = 2,
     lr: Annotated[float, typer.Option(help="Peak learning rate (warm-up, then cosine).")] = 6e-4,
@@ -67,13 +89,15 @@ def train_head_command(
     from understudy.drafters.eagle import default_head_dir
     from understudy.head.corpus import stdlib_files, text_files, token_sequences
     from understudy.head.pipeline import HeadSettings, train_head
+    from understudy.head.self_text import docstring_prompts
     from understudy.head.train import PRECISIONS, TrainConfig
     from understudy.models.loader import load_model
     from understudy.models.registry import DEFAULT_TARGET
 
     for name, value, low in (
-        ("tokens", tokens, 2 * seq_len),
+        ("self-tokens", self_tokens, 0),
         ("seq-len", seq_len, 16),
+        ("self-len", self_len, 16),
         ("epochs", epochs, 1),
         ("batch", batch, 1),
         ("unroll", unroll, 1),
@@ -82,6 +106,14 @@ def train_head_command(
     ):
         if value < low:
             fail(f"--{name} must be at least {low}, got {value}")
+    if tokens < 2 * seq_len and (tokens or not self_tokens):
+        fail(f"--tokens must be at least {2 * seq_len} (or 0 with --self-tokens), got {tokens}")
+    if self_tokens and tokens and seq_len % self_len:
+        fail(f"--seq-len {seq_len} must be a multiple of --self-len {self_len}")
+    if self_tokens and self_tokens < 2 * self_len:
+        fail(f"--self-tokens must be 0 or at least {2 * self_len}, got {self_tokens}")
+    if init is not None and not (init / "head.safetensors").is_file():
+        fail(f"--init {init}: no trained head there (head.safetensors)")
     if not lr > 0:
         fail(f"--lr must be positive, got {lr}")
     if not feature_noise >= 0:
@@ -109,22 +141,31 @@ def train_head_command(
             files, corpus = stdlib_files(), "stdlib"
         if not files:
             raise UnderstudyError("the training data holds no readable .py/.md/.txt files")
-        count = max(2, tokens // seq_len)
-        count = -(-count // SHARD) * SHARD if count > SHARD else count  # whole shards
-        sequences = list(token_sequences(files, loaded.tokenizer, seq_len, count))
-        if len(sequences) < 2:
-            raise UnderstudyError(f"the training data holds under {2 * seq_len} tokens")
+        sequences: list[list[int]] = []
+        if tokens:
+            count = whole_shards(tokens // seq_len)
+            sequences = list(token_sequences(files, loaded.tokenizer, seq_len, count))
+            if len(sequences) < 2:
+                raise UnderstudyError(f"the training data holds under {2 * seq_len} tokens")
+        prompts: list[list[int]] = []
+        if self_tokens:
+            count = whole_shards(self_tokens // self_len)
+            prompts = docstring_prompts(stdlib_files(), loaded.tokenizer, count, self_len - 1)
+            if len(prompts) < 2:
+                raise UnderstudyError("found under 2 docstring prompts shorter than --self-len")
         folder = out or default_head_dir(loaded.name)
+        written = f" + {len(prompts) * self_len} the target writes" if prompts else ""
         err.print(
             f"training a head for {loaded.name} on {len(sequences) * seq_len} tokens "
-            f"({corpus}); output: {folder}"
+            f"({corpus}){written}; output: {folder}"
         )
         settings = HeadSettings(
             intermediate_size=intermediate_size,
             draft_vocab_size=draft_vocab,
             train=train_cfg,
+            self_len=self_len,
         )
-        meta = train_head(loaded, sequences, folder, corpus, settings, progress)
+        meta = train_head(loaded, sequences, folder, corpus, settings, progress, prompts, init)
     except (UnderstudyError, FileNotFoundError) as error:
         fail(str(error))
         return

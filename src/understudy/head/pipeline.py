@@ -4,6 +4,7 @@ Layout of the output folder (default: the cache's heads/<target>/, where method=
 finds it by itself):
     head.safetensors, config.json      the trained head (models/eagle_head.py)
     features-<corpus>-<T>/             cached target features (head/features.py), reusable
+    features-self-<T>/                 the target's own continuations (head/self_text.py)
     checkpoint.pt                      the training state, for resuming
 Every stage resumes: shards already extracted are kept, a checkpoint is continued.
 """
@@ -16,11 +17,21 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
+from safetensors.torch import load_file
 from torch import nn
 
+from understudy.config import UnderstudyError
 from understudy.head.features import SHARD, extract, load_shards
+from understudy.head.self_text import extract_self_text
 from understudy.head.train import TrainConfig, choose_vocab, train
-from understudy.models.eagle_head import EagleHead, HeadConfig, lm_rows, save_head
+from understudy.models.eagle_head import (
+    WEIGHTS_FILE,
+    EagleHead,
+    HeadConfig,
+    lm_rows,
+    read_head_config,
+    save_head,
+)
 from understudy.models.loader import LoadedModel
 
 
@@ -29,6 +40,7 @@ class HeadSettings:
     intermediate_size: int = 4096
     draft_vocab_size: int = 8192
     train: TrainConfig = TrainConfig()
+    self_len: int = 256  # tokens per sequence the target writes itself (prompt included)
 
 
 def release_layers(target: LoadedModel) -> None:
@@ -40,6 +52,35 @@ def release_layers(target: LoadedModel) -> None:
     gc.collect()
 
 
+def as_rows(data: dict[str, torch.Tensor], length: int) -> dict[str, torch.Tensor]:
+    """Cut every sequence [N, T, ...] into T // length rows [N * T // length, length, ...]
+    (T a multiple of length), so corpora of different sequence lengths train together."""
+    T = data["tokens"].shape[1]
+    assert T % length == 0, f"sequence length {T} is not a multiple of {length}"
+    return {k: v.reshape(v.shape[0] * (T // length), length, *v.shape[2:]) for k, v in data.items()}
+
+
+def split_held_out(data: dict[str, torch.Tensor]) -> tuple[dict, dict]:
+    """(train, held out): the last min(SHARD, N // 10) sequences (at least 1) are held out."""
+    n = data["tokens"].shape[0]
+    held_out = max(1, min(SHARD, n // 10))
+    return {k: v[:-held_out] for k, v in data.items()}, {k: v[-held_out:] for k, v in data.items()}
+
+
+def start_head(target: LoadedModel, init: Path) -> EagleHead:
+    """A head to train further: `init`'s weights and draft vocabulary (a head of this target)."""
+    init_cfg, meta = read_head_config(init)
+    if meta.get("target") not in (None, target.name):
+        raise UnderstudyError(
+            f"--init {init}: a head of {meta['target']!r}, not of {target.name!r}"
+        )
+    head = EagleHead(init_cfg, target.model.embed)
+    missing, unexpected = head.load_state_dict(load_file(str(init / WEIGHTS_FILE)), strict=False)
+    assert set(missing) == {"lm.weight"} and not unexpected, (missing, unexpected)
+    head.lm.weight.data = lm_rows(target.model, head.vocab).float()
+    return head
+
+
 def train_head(
     target: LoadedModel,
     sequences: list[list[int]],
@@ -47,38 +88,63 @@ def train_head(
     corpus: str,
     settings: HeadSettings = HeadSettings(),
     progress: bool = True,
+    self_prompts: list[list[int]] | None = None,
+    init: Path | None = None,
 ) -> dict[str, object]:
     """Extract features (cached), train, save; returns the config.json "meta" facts.
-    Releases the target's layers once the features are extracted (`release_layers`)."""
-    if len(sequences) < 2:
+
+    `sequences`: corpus token sequences of one length T. `self_prompts`: prompts the target
+    continues itself to `settings.self_len` tokens (head/self_text.py); then both kinds train
+    together, corpus sequences cut to that length (T must be a multiple of it). Each source
+    holds out its own last sequences. `init`: start from that trained head (its vocabulary is
+    kept) instead of a fresh one. Releases the target's layers once features are extracted."""
+    self_prompts = self_prompts or []
+    if len(sequences) + len(self_prompts) < 2:
         raise ValueError("training a head needs at least 2 sequences (one is held out)")
-    seq_len = len(sequences[0])
+    seq_len = len(sequences[0]) if sequences else settings.self_len
     t0 = time.perf_counter()
-    paths = extract(target.model, sequences, folder / f"features-{corpus}-{seq_len}", progress)
+    parts = []
+    if sequences:
+        paths = extract(target.model, sequences, folder / f"features-{corpus}-{seq_len}", progress)
+        parts.append(load_shards(paths))
+    if self_prompts:
+        self_folder = folder / f"features-self-{settings.self_len}"
+        paths = extract_self_text(
+            target.model, self_prompts, settings.self_len, self_folder, progress
+        )
+        parts = [as_rows(p, settings.self_len) for p in parts] + [load_shards(paths)]
     extract_s = time.perf_counter() - t0
-    data = load_shards(paths)
     release_layers(target)
-    held_out = max(1, min(SHARD, len(sequences) // 10))
-    train_part = {k: v[:-held_out] for k, v in data.items()}
-    val_part = {k: v[-held_out:] for k, v in data.items()}
+    splits = [split_held_out(p) for p in parts]
+    train_part = {k: torch.cat([t[k] for t, _ in splits]) for k in parts[0]}
+    val_part = {k: torch.cat([v[k] for _, v in splits]) for k in parts[0]}
     model = target.model
-    cfg = HeadConfig.for_target(model.cfg, settings.intermediate_size, settings.draft_vocab_size)
-    vocab = choose_vocab(
-        train_part["argmax"], train_part["tokens"], model.cfg.vocab_size, cfg.draft_vocab_size
-    )
-    head = EagleHead(cfg, model.embed)
-    head.vocab.copy_(vocab)
-    head.lm.weight.data = lm_rows(model, vocab).float()
-    with torch.no_grad():  # start at the scale of the features it predicts
-        head.norm.weight.copy_(model.norm.weight)
+    if init is not None:
+        head = start_head(target, init)
+        cfg, vocab = head.cfg, head.vocab
+    else:
+        cfg = HeadConfig.for_target(
+            model.cfg, settings.intermediate_size, settings.draft_vocab_size
+        )
+        vocab = choose_vocab(
+            train_part["argmax"], train_part["tokens"], model.cfg.vocab_size, cfg.draft_vocab_size
+        )
+        head = EagleHead(cfg, model.embed)
+        head.vocab.copy_(vocab)
+        head.lm.weight.data = lm_rows(model, vocab).float()
+        with torch.no_grad():  # start at the scale of the features it predicts
+            head.norm.weight.copy_(model.norm.weight)
     coverage = float(torch.isin(val_part["argmax"].long(), vocab).float().mean())
     facts = train(head, train_part, val_part, settings.train, folder, progress)
     meta = {
         "target": target.name,
-        "corpus": corpus,
+        "corpus": corpus if sequences else "self",
         "sequence_length": seq_len,
         "sequences": len(sequences),
         "tokens": len(sequences) * seq_len,
+        "self_sequences": len(self_prompts),
+        "self_tokens": len(self_prompts) * settings.self_len,
+        "init": str(init) if init is not None else None,
         "extract_seconds_this_run": round(extract_s, 1),
         "draft_vocab_coverage_held_out": round(coverage, 4),
         "settings": asdict(settings),

@@ -1,0 +1,130 @@
+"""Training text the target writes itself (head/self_text.py), and training on it.
+
+Packed batches must decode each sequence exactly as plain greedy decoding would, with the
+features a full pass gives (a row that saw another sequence's slots would not); docstring
+prompts are the signature and docstring of documented functions; `train_head` trains on
+self-written text, alone or beside a corpus, and `init` starts from a trained head.
+"""
+
+from __future__ import annotations
+
+import torch
+from safetensors.torch import load_file
+
+from test_cli import cli
+from test_eagle import SETTINGS, target_written_text
+from understudy import Engine, SamplingParams
+from understudy.head.features import target_features
+from understudy.head.pipeline import HeadSettings, as_rows, train_head
+from understudy.head.self_text import continue_in_batches, function_prompts
+from understudy.head.train import TrainConfig
+from understudy.models.loader import load_model
+
+SOURCE = '''
+import functools
+
+
+class Store:
+    @functools.cache
+    def get(self, key: str) -> int:
+        """Return the value stored under key, or raise KeyError."""
+        return self.items[key]
+
+    def short(self):
+        """Too short."""
+        return 1
+
+
+def undocumented(x):
+    return x
+
+
+async def fetch(url):
+    """Fetch url and return its body as bytes.
+
+    Retries twice on a timeout.
+    """
+    return await get(url)
+'''
+
+
+def test_function_prompts_are_signature_and_docstring():
+    prompts = list(function_prompts(SOURCE))
+    assert sorted(prompts) == sorted(
+        [
+            "@functools.cache\ndef get(self, key: str) -> int:\n"
+            '    """Return the value stored under key, or raise KeyError."""\n',
+            'async def fetch(url):\n    """Fetch url and return its body as bytes.\n\n'
+            '    Retries twice on a timeout.\n    """\n',
+        ]
+    )
+    assert list(function_prompts("def broken(:\n")) == []
+
+
+def test_packed_batches_decode_as_plain_greedy(tiny_pair):
+    """Sequences of different prompt lengths, decoded together, hold plain decoding's greedy
+    tokens, and their features and argmax are those of one full pass over each."""
+    target, _ = tiny_pair
+    model = load_model(target, "float32").model
+    gen = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(1, 300, (n,), generator=gen).tolist() for n in (3, 9, 5, 17, 9)]
+    tokens, features, argmax = continue_in_batches(model, prompts, 40)
+    assert tokens.shape == (5, 40) and features.shape == (5, 40, model.cfg.hidden_size)
+    plain = Engine.from_pretrained(target=target, method="none", dtype="float32")
+    for b, prompt in enumerate(prompts):
+        params = SamplingParams(max_tokens=40 - len(prompt), temperature=0.0, ignore_eos=True)
+        assert tokens[b].tolist() == prompt + plain.generate(prompt, params).token_ids
+        full, full_argmax = target_features(model, tokens[b])
+        torch.testing.assert_close(features[b], full, atol=1e-4, rtol=1e-4)
+        assert torch.equal(argmax[b], full_argmax)
+        assert torch.equal(argmax[b, len(prompt) - 1 : -1], tokens[b, len(prompt) :])
+
+
+def test_as_rows_cuts_sequences_in_order():
+    data = {"tokens": torch.arange(16).view(2, 8), "features": torch.arange(32.0).view(2, 8, 2)}
+    rows = as_rows(data, 4)
+    assert rows["tokens"].tolist() == [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9, 10, 11], [12, 13, 14, 15]]
+    assert torch.equal(rows["features"][1], data["features"][0, 4:])
+
+
+def test_train_on_self_text_beside_a_corpus_and_from_a_head(tiny_pair, tmp_path):
+    """A head trains on corpus sequences (cut to the self-written length) and self-written
+    ones together, each source holding out its own; `init` starts from a trained head (at a
+    learning rate of ~0 it ends where it started, its vocabulary kept)."""
+    target, _ = tiny_pair
+    corpus = target_written_text(target, 8, seed=5, temperature=0.0)  # 8 x 64 tokens
+    gen = torch.Generator().manual_seed(4)
+    prompts = [torch.randint(1, 300, (6,), generator=gen).tolist() for _ in range(20)]
+    settings = HeadSettings(96, 256, SETTINGS.train, self_len=32)
+    first = tmp_path / "first"
+    meta = train_head(
+        load_model(target, "float32"), corpus, first, "test", settings, False, prompts
+    )
+    assert meta["self_tokens"] == 20 * 32 and meta["tokens"] == 8 * 64
+    # 16 corpus rows of 32 (1 held out) + 20 self-written (2 held out)
+    assert meta["train_sequences"] == 15 + 18
+    assert (first / "features-self-32" / "features-0001.safetensors").exists()
+    still = HeadSettings(96, 256, TrainConfig(epochs=1, batch=4, lr=1e-12, warmup=1), 32)
+    second = tmp_path / "second"
+    meta = train_head(
+        load_model(target, "float32"), [], second, "test", still, False, prompts, first
+    )
+    assert meta["corpus"] == "self" and meta["init"] == str(first)
+    before = load_file(str(first / "head.safetensors"))
+    after = load_file(str(second / "head.safetensors"))
+    assert torch.equal(before["vocab"], after["vocab"])
+    for name, weight in before.items():
+        torch.testing.assert_close(after[name], weight, atol=1e-6, rtol=0)
+
+
+def test_self_text_options_are_checked(tiny_pair, tmp_path):
+    target, _ = tiny_pair
+    common = ["--target", target, "--out", str(tmp_path / "h"), "--no-progress"]
+    for options, said in (
+        (["--self-tokens", "100"], "--self-tokens must be 0 or at least 512"),
+        (["--self-tokens", "4096", "--seq-len", "100"], "multiple of --self-len"),
+        (["--tokens", "10"], "--tokens must be at least 1024"),
+        (["--init", str(tmp_path / "nothing")], "no trained head there"),
+    ):
+        bad = cli("train-head", *common, *options)
+        assert bad.returncode == 2 and said in " ".join(bad.stderr.split()), bad.stderr
