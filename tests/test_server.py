@@ -84,7 +84,9 @@ def test_completion_carries_usage_and_speculative_stats(server, client):
 
 
 def test_completion_with_token_ids_prompt(server, client):
-    out = client.completions.create(model=server.model, prompt=[5, 6, 7], max_tokens=4)
+    out = client.completions.create(
+        model=server.model, prompt=[5, 6, 7], max_tokens=4, extra_body={"ignore_eos": True}
+    )
     assert out.usage.prompt_tokens == 3 and out.usage.completion_tokens == 4
 
 
@@ -361,7 +363,9 @@ def test_api_key(engine):
         with pytest.raises(openai.AuthenticationError):
             bad.models.list()
         good = openai.OpenAI(base_url=url + "/v1", api_key="sekrit", max_retries=0)
-        out = good.completions.create(model="tiny", prompt="x", max_tokens=3)
+        out = good.completions.create(
+            model="tiny", prompt="x", max_tokens=3, extra_body={"ignore_eos": True}
+        )
         assert out.usage.completion_tokens == 3
         assert httpx.get(url + "/health").status_code == 200  # open without a key
         run = httpx.post(url + "/lab/api/run", json={"mode": "plain", "prompt": "x"})
@@ -378,8 +382,11 @@ def test_full_queue_answers_429(engine):
         client = openai.OpenAI(base_url=url + "/v1", api_key="x", max_retries=0, timeout=60)
         results: list = []
 
-        def call() -> None:
-            results.append(client.completions.create(model="tiny", prompt="x", max_tokens=4))
+        def call() -> None:  # ignore_eos: a sampled EOS would end a request early, not lose it
+            extra = {"ignore_eos": True}
+            results.append(
+                client.completions.create(model="tiny", prompt="x", max_tokens=4, extra_body=extra)
+            )
 
         running = threading.Thread(target=call)
         running.start()
