@@ -8,6 +8,8 @@ self-written text, alone or beside a corpus, and `init` starts from a trained he
 
 from __future__ import annotations
 
+import json
+
 import torch
 from safetensors.torch import load_file
 
@@ -128,3 +130,22 @@ def test_self_text_options_are_checked(tiny_pair, tmp_path):
     ):
         bad = cli("train-head", *common, *options)
         assert bad.returncode == 2 and said in " ".join(bad.stderr.split()), bad.stderr
+
+
+def test_train_head_on_self_text_from_the_command_line(tiny_pair, tmp_path):
+    """`--tokens 0 --self-tokens N`: the target writes all its training text; then `--init`
+    trains further from the head that made."""
+    target, _ = tiny_pair
+    common = ["--target", target, "--no-progress", "--tokens", "0", "--self-len", "64"]
+    small = ["--epochs", "1", "--intermediate-size", "32", "--draft-vocab", "64"]
+    first, second = tmp_path / "first", tmp_path / "second"
+    made = cli("train-head", *common, "--out", str(first), "--self-tokens", "192", *small)
+    assert made.returncode == 0, made.stderr
+    said = " ".join(made.stderr.split())
+    assert "0 tokens (stdlib) + 192 the target writes" in said
+    assert len(list((first / "features-self-64").glob("*.safetensors"))) == 1
+    more = cli("train-head", *common, "--out", str(second), "--self-tokens", "128", "--init",
+               str(first), "--epochs", "1")  # fmt: skip
+    assert more.returncode == 0, more.stderr
+    config = json.loads((second / "config.json").read_text())
+    assert config["meta"]["init"] == str(first) and config["meta"]["self_tokens"] == 128
