@@ -60,7 +60,9 @@ def as_rows(data: dict[str, torch.Tensor], length: int) -> dict[str, torch.Tenso
     return {k: v.reshape(v.shape[0] * (T // length), length, *v.shape[2:]) for k, v in data.items()}
 
 
-def split_held_out(data: dict[str, torch.Tensor]) -> tuple[dict, dict]:
+def split_held_out(
+    data: dict[str, torch.Tensor],
+) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
     """(train, held out): the last min(SHARD, N // 10) sequences (at least 1) are held out."""
     n = data["tokens"].shape[0]
     held_out = max(1, min(SHARD, n // 10))

@@ -9,9 +9,10 @@ user gives, and the target continues it greedily to `seq_len` tokens.
 The continuation is decoded in packed batches (`continue_in_batches`): the rows of many
 sequences share one pass of the single-sequence model, each sequence in its own region of
 cache slots (sequence b's token at position p is written to slot b * T + p) and each row
-attending only to its own region (`key_slots`). A pass of B rows costs little more than a
-pass of one on a CPU (its weights stream once), so B sequences decode ~B/1.5 times faster
-than one. The features come out of the same passes, so there is no second run over the text.
+attending only to its own region (`key_slots`). A pass streams the weights once however
+many rows it holds: on the 1.5B bf16 target on a 2-core CPU a pass of 32 rows took 0.66 s
+against 0.22 s for one, ~10x the tokens per second of decoding one sequence. The features
+come out of the same passes, so there is no second run over the text.
 
 Shards have the layout of head/features.py (tokens, features, argmax), so training reads
 them like any corpus. Invariant: row t of a sequence holds the target's final hidden state
