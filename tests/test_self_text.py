@@ -18,7 +18,12 @@ from test_eagle import SETTINGS, target_written_text
 from understudy import Engine, SamplingParams
 from understudy.head.features import target_features
 from understudy.head.pipeline import HeadSettings, as_rows, train_head
-from understudy.head.self_text import continue_in_batches, function_prompts
+from understudy.head.self_text import (
+    LENGTH_RUN,
+    continue_in_batches,
+    docstring_prompts,
+    function_prompts,
+)
 from understudy.head.train import TrainConfig
 from understudy.models.loader import load_model
 
@@ -61,6 +66,26 @@ def test_function_prompts_are_signature_and_docstring():
         ]
     )
     assert list(function_prompts("def broken(:\n")) == []
+
+
+def test_more_prompts_extend_fewer(tiny_pair, tmp_path):
+    """Asking for more text keeps the prompts (and so the cached shards) of less: the list
+    for a smaller limit is a prefix of a larger one's, across a run boundary."""
+    from transformers import AutoTokenizer
+
+    target, _ = tiny_pair
+    tokenizer = AutoTokenizer.from_pretrained(target)
+    source = "".join(
+        f'def f{i}(x):\n    """Return x {"plus" if i % 2 else "times"} {i} for the caller."""\n'
+        f"    return x + {i}\n\n"
+        for i in range(LENGTH_RUN + 40)
+    )
+    (tmp_path / "many.py").write_text(source)
+    files = [tmp_path / "many.py"]
+    many = docstring_prompts(files, tokenizer, LENGTH_RUN + 40)
+    assert len(many) == LENGTH_RUN + 40 and len({tuple(p) for p in many}) == len(many)
+    for limit in (10, LENGTH_RUN - 5, LENGTH_RUN + 7):
+        assert docstring_prompts(files, tokenizer, limit) == many[:limit]
 
 
 def test_packed_batches_decode_as_plain_greedy(tiny_pair):

@@ -67,7 +67,7 @@ def docstring_prompts(
     """Up to `limit` prompts (token ids, at most min(max_tokens, MAX_PROMPT) each) from the
     files' documented functions, in an order fixed by `seed` (so cached shards stay valid):
     shuffled, then sorted by length within runs of LENGTH_RUN, so a packed batch wastes few
-    passes."""
+    passes. The list for a smaller `limit` is a prefix of the list for a larger one."""
     max_tokens = min(max_tokens, MAX_PROMPT)
     found: list[list[int]] = []
     for path in files:
@@ -80,10 +80,11 @@ def docstring_prompts(
             if 4 <= len(ids) <= max_tokens:
                 found.append(ids)
     random.Random(seed).shuffle(found)
-    found = found[:limit]
-    # sorted by length within runs of LENGTH_RUN: a shard's prompts then end near together
+    # sorted by length within runs of LENGTH_RUN: a shard's prompts then end near together.
+    # The runs are cut before the limit is applied, so a larger limit extends a smaller
+    # one's list and cached shards stay valid when a user asks for more text
     runs = [sorted(found[i : i + LENGTH_RUN], key=len) for i in range(0, len(found), LENGTH_RUN)]
-    return [prompt for run in runs for prompt in run]
+    return [prompt for run in runs for prompt in run][:limit]
 
 
 @torch.inference_mode()
