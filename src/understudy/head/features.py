@@ -73,17 +73,27 @@ def extract(
         feats, tops = [], []
         for row in batch:
             hidden, argmax = target_features(model, row)
-            feats.append(hidden.half())
-            tops.append(argmax.int())
+            feats.append(hidden)
+            tops.append(argmax)
             bar.update(row.shape[0])
-        tmp = path.with_suffix(".tmp")
-        save_file(
-            {"tokens": batch.int(), "features": torch.stack(feats), "argmax": torch.stack(tops)},
-            str(tmp),
-        )
-        tmp.rename(path)
+        write_shard(path, batch, torch.stack(feats), torch.stack(tops))
     bar.close()
     return paths
+
+
+def write_shard(
+    path: Path,
+    tokens: torch.Tensor,  # [n, T]
+    features: torch.Tensor,  # [n, T, hidden]
+    argmax: torch.Tensor,  # [n, T]
+) -> None:
+    """Save one shard in the layout above: written under a temporary name, then renamed, so
+    the file exists only once complete."""
+    tmp = path.with_suffix(".tmp")
+    save_file(
+        {"tokens": tokens.int(), "features": features.half(), "argmax": argmax.int()}, str(tmp)
+    )
+    tmp.rename(path)
 
 
 def load_shards(paths: list[Path]) -> dict[str, torch.Tensor]:
