@@ -150,8 +150,9 @@ def test_inference_sees_what_training_saw(trained):
     features reach the head at the right positions through the engine's rounds)."""
     target, folder, _ = trained
     engine = Engine.from_pretrained(
-        target=target, method="eagle", draft=str(folder), dtype="float32", num_speculative_tokens=3
-    )
+        target=target, method="eagle", draft=str(folder), dtype="float32",
+        num_speculative_tokens=3, tree="off",
+    )  # fmt: skip
     params = SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True)
     prompt = random_prompts(1, seed=5)[0]
     rounds = []
@@ -178,9 +179,10 @@ def test_inference_sees_what_training_saw(trained):
 def test_greedy_identity(trained, k):
     target, folder, _ = trained
     engine = Engine.from_pretrained(
-        target=target, method="eagle", draft=str(folder), dtype="float32", num_speculative_tokens=k
-    )
-    assert engine.exact
+        target=target, method="eagle", draft=str(folder), dtype="float32",
+        num_speculative_tokens=k, tree="off",
+    )  # fmt: skip
+    assert engine.exact and not engine.tree
     plain = engine.with_method("none")
     params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
     accepted = 0
@@ -204,7 +206,7 @@ def test_greedy_tree_identity(trained, k, branching):
         tree="on",
         tree_branching=branching,
     )
-    assert engine.tree and engine.exact is (not engine.pad)
+    assert engine.tree and engine.exact
     plain = engine.with_method("none")
     params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
     accepted = branched = 0
@@ -217,6 +219,21 @@ def test_greedy_tree_identity(trained, k, branching):
             assert r.parents is not None and len(r.drafted) <= engine.runner.rows - 1
             branched += len(set(r.parents)) < len(r.parents)  # some node has two children
     assert accepted > 0 and branched > 0
+
+
+def test_default_drafts_trees_where_they_pay_and_keeps_identity(trained):
+    """method="eagle" as a user builds it: tree="auto" with 4 children a node (tree_choice.py
+    picks the shape each round); greedy output is still plain decoding's."""
+    target, folder, _ = trained
+    engine = Engine.from_pretrained(
+        target=target, method="eagle", draft=str(folder), dtype="float32"
+    )
+    assert engine.tree_mode == "auto" and engine.tree and engine.proposer.branching == 4
+    assert engine.exact
+    plain = engine.with_method("none")
+    params = SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True)
+    for prompt in random_prompts(3, seed=17):
+        assert engine.generate(prompt, params).token_ids == plain.generate(prompt, params).token_ids
 
 
 def test_tree_rounds_hand_the_head_the_kept_path(trained):
@@ -264,6 +281,7 @@ def test_doubt_ends_rounds_and_keeps_identity(trained):
             draft=str(folder),
             dtype="float32",
             verify_rows=16,
+            tree="off",
             **options,
         )
         engine.cost_ratio, engine.row_cost = 0.3, 0.0
@@ -342,8 +360,9 @@ def sampling_head(tmp_path_factory) -> tuple[str, Path]:
 def sampling_eagle(sampling_head):
     target, folder = sampling_head
     return Engine.from_pretrained(
-        target=target, method="eagle", draft=str(folder), dtype="float32", num_speculative_tokens=2
-    )
+        target=target, method="eagle", draft=str(folder), dtype="float32",
+        num_speculative_tokens=2, tree="off",
+    )  # fmt: skip
 
 
 @pytest.fixture(scope="module")
@@ -370,7 +389,7 @@ def test_sampling_law_with_doubt(sampling_head):
     target, folder = sampling_head
     engine = Engine.from_pretrained(
         target=target, method="eagle", draft=str(folder), dtype="float32",
-        num_speculative_tokens=3, draft_path_confidence=0.3,
+        num_speculative_tokens=3, draft_path_confidence=0.3, tree="off",
     )  # fmt: skip
     params = SamplingParams(ignore_eos=True, **WARPS["top_k"])
     pvalue = goodness_of_fit(engine, [11, 42, 7], params, samples=1500)

@@ -15,11 +15,9 @@ scores all its nodes in one pass (`Runner.tree_pass`), verify_tree.py picks the 
 root-to-node path, and `Runner.keep_path` compacts that path's KV to the slots after the prefix, leaving the same
 invariant as a chain round. Stats: drafted = nodes in the tree, accepted = path length.
 Tree output is lossless (sampling: exact law; greedy: the target's argmax at every step).
-With row-invariant kernels (unpadded passes) each node attends to its path's keys gathered
-in chain order, so its logits are bitwise plain decoding's and stats.exact stays True; with
-padded passes a node off the tree's first-child path sees its ancestors in scattered slots,
-which in float32 can move logits in the last bits (tree.py): stats.exact is False with
-tree="on", and tree="auto" drafts chains only there, so that it never costs exactness.
+Each node attends to its path's keys in chain order (unpadded passes: gathered whole, as the
+row-invariant kernels need; padded passes: models/split_attention.py), so its logits are
+bitwise plain decoding's and stats.exact stays True.
 """
 
 from __future__ import annotations
@@ -120,10 +118,10 @@ class Engine:
         if settle_confidence is not None:  # "auto" thresholds (drafters/draft_model.py)
             settle_confidence(num_speculative_tokens == "auto")
         self.tree_mode = tree_mode(proposer)
-        # rounds may draft trees; tree="auto" only where trees stay exact (unpadded passes)
-        self.tree = self.tree_mode == "on" or (self.tree_mode == "auto" and not pad)
+        # rounds may draft trees (tree="auto": where tree_choice.py finds that they pay)
+        self.tree = self.tree_mode in ("on", "auto")
         self.rows_exact = exact  # the row budget is the hardware's default
-        self.exact = exact and (not self.tree or not pad)  # see the module docstring
+        self.exact = exact  # trees keep it too (the module docstring)
         self.cost_ratio = cost_ratio  # draft step / target pass, measured by from_pretrained
         self.row_cost = 0.0  # extra target-pass cost per extra row (unpadded passes), measured
         self.tree_node_cost = 0.0  # the same per extra node of a tree pass, measured

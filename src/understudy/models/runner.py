@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import torch
 
+from understudy.models.split_attention import SplitKeys, split_keys
 from understudy.models.transformer import Transformer
 
 PREFILL_CHUNK = 512
@@ -57,15 +58,19 @@ class Runner:
         assert 0 <= length <= self.length, (length, self.length)
         self.length = length
 
-    def _pass(self, tokens: torch.Tensor, rows: int, logit_rows: slice) -> torch.Tensor:
-        """Score `tokens` [n] at positions length..length+n-1 in one pass of `rows` rows."""
+    def _pass(
+        self, tokens: torch.Tensor, rows: int, logit_rows: slice, decode: bool = False
+    ) -> torch.Tensor:
+        """Score `tokens` [n] at positions length..length+n-1 in one pass of `rows` rows
+        (`decode`: a padded decode pass, whose rows attend through split_attention)."""
         n, start, device = tokens.shape[0], self.length, self.model.device
         padded = torch.zeros(rows, dtype=torch.long, device=device)  # [rows], filler = id 0
         padded[:n] = tokens
         positions = torch.arange(start, start + rows, device=device)  # [rows]
         keys = max(self.window or 0, start + rows)
         mask = torch.arange(keys, device=device)[None, :] <= positions[:, None]  # [rows, L]
-        logits = self._score(n, padded, positions, positions, mask, logit_rows)
+        split = split_keys(positions, keys) if decode and self.pad else None
+        logits = self._score(n, padded, positions, positions, mask, logit_rows, split=split)
         self.length = start + n
         return logits
 
@@ -78,12 +83,13 @@ class Runner:
         mask: torch.Tensor,  # [R, L]
         logit_rows: slice | None = None,
         key_slots: torch.Tensor | None = None,
+        split: SplitKeys | None = None,
     ) -> torch.Tensor:
         """Transformer.forward; with keep_hidden, the final hidden states of the first `n`
         (real) rows are kept in `last_hidden` [n, hidden] (the same operations)."""
         if not self.keep_hidden:
-            return self.model(tokens, positions, slots, mask, logit_rows, key_slots)
-        hidden = self.model.hidden_states(tokens, positions, slots, mask, key_slots)  # [R, H]
+            return self.model(tokens, positions, slots, mask, logit_rows, key_slots, split)
+        hidden = self.model.hidden_states(tokens, positions, slots, mask, key_slots, split)
         self.last_hidden = hidden[:n]
         rows = hidden if logit_rows is None else hidden[logit_rows]
         return self.model.lm_head(rows).float()
@@ -128,7 +134,15 @@ class Runner:
         mask[torch.arange(n, rows, device=device), filler] = True
         if not self.pad:  # row-invariant kernels: each node sees its path where a chain would
             return self._tree_pass_as_chains(tokens, depths, offsets, visible, base, keys)
-        return self._score(n, padded, positions, slots, mask)[:n]  # as a chain pass
+        if self.rows is None:  # a drafter's pass: the mask alone
+            return self._score(n, padded, positions, slots, mask)[:n]
+        assert int(depths.max()) < rows, "a tree deeper than the pass cannot be split"
+        chain_slots = torch.arange(keys, device=device).repeat(rows, 1)  # [rows, keys]
+        for i in range(n):  # node i: the prefix, then its path root..node (ascending slots)
+            path = base + visible[i].nonzero().flatten().to(device)  # [depth_i + 1]
+            chain_slots[i, base : base + path.shape[0]] = path
+        split = split_keys(positions, keys, chain_slots)
+        return self._score(n, padded, positions, slots, mask, split=split)[:n]
 
     def _tree_pass_as_chains(
         self,
@@ -195,5 +209,5 @@ class Runner:
         if self.rows is None:
             return self._pass(tokens, n, slice(n - 1, n) if last_only else slice(0, n))
         assert n <= self.rows, f"a pass holds at most {self.rows} rows, got {n}"
-        logits = self._pass(tokens, self.rows if self.pad else n, slice(None))
+        logits = self._pass(tokens, self.rows if self.pad else n, slice(None), decode=True)
         return logits[n - 1 : n] if last_only else logits[:n]

@@ -10,6 +10,8 @@ scores any set of query rows against a preallocated, slot-indexed KV cache:
     key_slots [R, L]     optional: row r attends to cache slots key_slots[r] (in that order)
                          instead of slots 0..L-1; mask then refers to those positions. A
                          tree node's ancestors then sit where a chain's would (exactness).
+    split                optional (padded decode passes): each row's keys in chain order,
+                         head and tail (models/split_attention.py); mask is then unused.
 
 Rolling the cache back is position arithmetic done by the caller (slots past the valid
 length are simply overwritten later); a tree's accepted path is kept by `keep_slots`.
@@ -27,6 +29,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from understudy.models.split_attention import SplitKeys, split_attention
 
 
 @dataclass(frozen=True)
@@ -88,7 +92,11 @@ class Attention(nn.Module):
         k_cache: torch.Tensor,  # [kv_heads, S, head_dim]
         v_cache: torch.Tensor,  # [kv_heads, S, head_dim]
         key_slots: torch.Tensor | None = None,  # [R, L]
+        split: SplitKeys | None = None,
     ) -> torch.Tensor:
+        """Attention of rows x over the cache after writing their keys/values to `slots`:
+        one SDPA call under `mask`; with `key_slots`, each row over its own gathered keys;
+        with `split` (padded decode passes), split_attention, exact for tree nodes."""
         cfg = self.cfg
         rows = x.shape[0]
         q, k, v = self.wqkv(x).split(self.split, dim=-1)
@@ -100,6 +108,9 @@ class Attention(nn.Module):
         # (a no-op cast except under autocast in training, where v comes out in bf16)
         k_cache.index_copy_(1, slots, k.to(k_cache.dtype))
         v_cache.index_copy_(1, slots, v.to(v_cache.dtype))
+        if split is not None:
+            out = split_attention(q, k_cache, v_cache, split)  # [R, H, D]
+            return self.wo(out.reshape(rows, -1))
         length = mask.shape[-1]
         gqa = cfg.num_heads != cfg.num_kv_heads
         keys, values = k_cache[None, :, :length], v_cache[None, :, :length]  # [1, Hkv, L, D]
@@ -200,13 +211,14 @@ class Transformer(nn.Module):
         slots: torch.Tensor,  # [R]
         mask: torch.Tensor,  # [R, L]
         key_slots: torch.Tensor | None = None,  # [R, L]
+        split: SplitKeys | None = None,
     ) -> torch.Tensor:
         """Run the layers; write the rows' keys/values into `slots`. Returns [R, hidden]."""
         x = self.embed(tokens)
         cos, sin = self.rotary(positions)
         for layer, k_cache, v_cache in zip(self.layers, self.k_cache, self.v_cache, strict=True):
             attn_in = layer.attn_norm(x)
-            x = x + layer.attn(attn_in, cos, sin, slots, mask, k_cache, v_cache, key_slots)
+            x = x + layer.attn(attn_in, cos, sin, slots, mask, k_cache, v_cache, key_slots, split)
             x = x + layer.mlp(layer.mlp_norm(x))
         return self.norm(x)
 
@@ -218,9 +230,10 @@ class Transformer(nn.Module):
         mask: torch.Tensor,  # [R, L]
         logit_rows: slice | None = None,
         key_slots: torch.Tensor | None = None,
+        split: SplitKeys | None = None,
     ) -> torch.Tensor:
         """Logits [len(logit_rows), vocab] (float32) of the selected rows (all by default)."""
-        h = self.hidden_states(tokens, positions, slots, mask, key_slots)
+        h = self.hidden_states(tokens, positions, slots, mask, key_slots, split)
         if logit_rows is not None:
             h = h[logit_rows]
         return self.lm_head(h).float()
