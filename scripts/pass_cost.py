@@ -3,8 +3,9 @@
 For each dtype given, builds the default target the way `Engine.from_pretrained` would
 (float32: row-invariant kernels, unpadded passes; bfloat16: padded passes of the row budget)
 and times one decode pass after a 400-token context at a 480-slot key window (a typical
-request), for 1, 8 and 16 real rows. On the padded path it also times the pass with each row
-in its own attention call (what row-invariant attention would cost there).
+request), for 1, 8 and 16 real rows. On the padded path it times the pass both as decode
+passes run (split_attention, exact for trees) and with one SDPA call over the shared slots
+(what it cost before).
 
     python scripts/pass_cost.py --dtypes bfloat16,float32 --repeats 12
 
@@ -23,16 +24,25 @@ from understudy import Engine
 from understudy.models.runner import Runner
 
 
-def median_pass_ms(runner: Runner, context: torch.Tensor, rows: int, repeats: int) -> float:
-    """Median wall time of extending `context` by `rows` tokens, rolled back each time."""
+def median_pass_ms(
+    runner: Runner, context: torch.Tensor, rows: int, repeats: int, modes: tuple[bool, ...]
+) -> dict[bool, float]:
+    """Median wall time of extending `context` by `rows` tokens, rolled back each time, for
+    each mode (split True: as decode passes run; False: a padded pass with one SDPA call
+    instead of split_attention), the modes interleaved repeat by repeat."""
     runner.prefill(context, span=480)
-    times = []
+    times: dict[bool, list[float]] = {mode: [] for mode in modes}
     for _ in range(repeats):
-        runner.truncate(context.shape[0])
-        t0 = time.perf_counter()
-        runner.extend(torch.arange(5, 5 + rows))
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times) * 1000
+        for split in modes:
+            runner.truncate(context.shape[0])
+            t0 = time.perf_counter()
+            if split:
+                runner.extend(torch.arange(5, 5 + rows))
+            else:
+                with torch.inference_mode():
+                    runner._pass(torch.arange(5, 5 + rows), runner.rows, slice(None))
+            times[split].append(time.perf_counter() - t0)
+    return {mode: statistics.median(ts) * 1000 for mode, ts in times.items()}
 
 
 def main() -> None:
@@ -43,14 +53,13 @@ def main() -> None:
     context = torch.arange(1000, 1400)  # [400]
     for name in args.dtypes.split(","):
         engine = Engine.from_pretrained(method="none", dtype=getattr(torch, name))
-        runner, layers = engine.runner, engine.target.model.layers
-        modes = [0, runner.rows] if runner.pad else [layers[0].attn.rows_apart_upto]
-        for apart in modes:
-            for layer in layers:
-                layer.attn.rows_apart_upto = apart
-            timings = {n: median_pass_ms(runner, context, n, args.repeats) for n in (1, 8, 16)}
-            shown = ", ".join(f"{n} real rows {ms:.1f} ms" for n, ms in timings.items())
-            attention = "per-row attention" if apart else "batched attention"
+        runner = engine.runner
+        modes = (True, False) if runner.pad else (True,)
+        median_pass_ms(runner, context, 16, 1, modes)  # warm-up
+        timings = {n: median_pass_ms(runner, context, n, args.repeats, modes) for n in (1, 8, 16)}
+        for split in modes:
+            shown = ", ".join(f"{n} real rows {ms[split]:.1f} ms" for n, ms in timings.items())
+            attention = "split_attention" if split else "one SDPA call"
             print(f"{name}, {'padded' if runner.pad else 'unpadded'}, {attention}: {shown}")
 
 

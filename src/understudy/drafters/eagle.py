@@ -101,10 +101,10 @@ class EagleProposer(DoubtRules):
     ) -> EagleProposer:
         defaults = {
             "head": None,
-            # trees where they pay (tree_choice.py), 4 children a node: on the 1.5B target
-            # (bf16, padded passes) 1.94x plain against 1.56x for chains, and branching 4
-            # kept 2.27-2.28 tokens a round against 2.14 for 2 (README, session 12)
-            "tree": "auto",
+            # trees, 4 children a node: on the 1.5B target (bf16, padded passes) trees gave
+            # 1.89-1.98x plain against 1.55x for chains and 1.78-1.94x for tree="auto", and
+            # branching 4 kept 2.26-2.29 tokens a round against 2.14 for 2 (README, session 12)
+            "tree": "on",
             "tree_branching": 4,
             "draft_confidence": 0.0,
             "draft_path_confidence": "auto",
@@ -126,7 +126,7 @@ class EagleProposer(DoubtRules):
         self,
         head: EagleHead,
         max_context: int,
-        tree: str = "auto",
+        tree: str = "on",
         branching: int = 4,
         confidence: float | None = 0.0,
         path_confidence: float | None = 0.0,
