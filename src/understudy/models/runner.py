@@ -29,6 +29,17 @@ PREFILL_CHUNK = 512
 WINDOW_QUANTUM = 256  # key windows are multiples of this many slots
 
 
+def path_slots(slots: torch.Tensor, visible: torch.Tensor, base: int) -> torch.Tensor:
+    """Write each tree node's path into its row of `slots` [R, L] in chain order, in place:
+    row i gets slots base + j for the j where visible[i, j] (its ancestors and itself, in
+    increasing order: ancestors precede descendants) at chain positions base.. on. visible:
+    [n, span] bool, n <= R. Returns `slots`."""
+    for i in range(visible.shape[0]):
+        path = base + visible[i].nonzero().flatten().to(slots.device)  # [depth_i + 1]
+        slots[i, base : base + path.shape[0]] = path
+    return slots
+
+
 class Runner:
     def __init__(
         self, model: Transformer, max_context: int, rows: int | None = None, pad: bool = True
@@ -138,10 +149,7 @@ class Runner:
             return self._score(n, padded, positions, slots, mask)[:n]
         assert int(depths.max()) < rows, "a tree deeper than the pass cannot be split"
         chain_slots = torch.arange(keys, device=device).repeat(rows, 1)  # [rows, keys]
-        for i in range(n):  # node i: the prefix, then its path root..node (ascending slots)
-            path = base + visible[i].nonzero().flatten().to(device)  # [depth_i + 1]
-            chain_slots[i, base : base + path.shape[0]] = path
-        split = split_keys(positions, keys, chain_slots)
+        split = split_keys(positions, keys, path_slots(chain_slots, visible, base))
         return self._score(n, padded, positions, slots, mask, split=split)[:n]
 
     def _tree_pass_as_chains(
@@ -160,9 +168,7 @@ class Runner:
         device, n = self.model.device, tokens.shape[0]
         key_slots = torch.zeros(n, keys, dtype=torch.long, device=device)  # [n, keys]
         key_slots[:, :base] = torch.arange(base, device=device)
-        for i in range(n):
-            path = base + visible[i].nonzero().flatten().to(device)  # [depth_i + 1] slots
-            key_slots[i, base : base + path.shape[0]] = path
+        path_slots(key_slots, visible, base)
         depths = depths.to(device)
         mask = torch.arange(keys, device=device)[None, :] <= (base + depths)[:, None]  # [n, keys]
         slots, positions = base + offsets.to(device), base + depths
