@@ -18,9 +18,9 @@ Scores of both parts go through ONE softmax per row (float32), and the output is
 V_head + P_tail @ V_tail. Every operation is row-wise (matmuls over shared operands, the
 softmax, the sum), and h_r depends only on p_r and R, so a row's output depends only on its
 own query and the keys at its chain positions: a tree node's logits are bitwise those of its
-path decoded as a chain (tests/test_tree.py). Cost on the 1.5B target in bfloat16 (2-core
-AVX512-BF16 EPYC, a 512-slot window, 16 rows): 0.60 ms a layer against 0.47 ms for one SDPA
-call, about 2% of a pass.
+path decoded as a chain (tests/test_tree.py). Cost on the 1.5B target's shapes in bfloat16
+(2-core AVX512-BF16 EPYC, a 512-slot window, 16 rows): 0.52 ms a layer against 0.45 ms for
+one SDPA call; a whole pass, 0-6% (scripts/pass_cost.py, README).
 """
 
 from __future__ import annotations
