@@ -221,14 +221,14 @@ def test_greedy_tree_identity(trained, k, branching):
     assert accepted > 0 and branched > 0
 
 
-def test_default_drafts_trees_and_keeps_identity(trained):
-    """method="eagle" as a user builds it: trees (tree="on") with 4 children a node; greedy
-    output is still plain decoding's."""
+def test_default_drafts_trees_where_they_pay_and_keeps_identity(trained):
+    """method="eagle" as a user builds it: tree="auto" with 4 children a node (tree_choice.py
+    picks the shape each round); greedy output is still plain decoding's."""
     target, folder, _ = trained
     engine = Engine.from_pretrained(
         target=target, method="eagle", draft=str(folder), dtype="float32"
     )
-    assert engine.tree_mode == "on" and engine.tree and engine.proposer.branching == 4
+    assert engine.tree_mode == "auto" and engine.tree and engine.proposer.branching == 4
     assert engine.exact
     plain = engine.with_method("none")
     params = SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True)

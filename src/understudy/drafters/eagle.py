@@ -101,10 +101,12 @@ class EagleProposer(DoubtRules):
     ) -> EagleProposer:
         defaults = {
             "head": None,
-            # trees, 4 children a node: on the 1.5B target (bf16, padded passes) trees gave
-            # 1.89-1.98x plain against 1.55x for chains and 1.78-1.94x for tree="auto", and
-            # branching 4 kept 2.26-2.29 tokens a round against 2.14 for 2 (README, session 12)
-            "tree": "on",
+            # trees where they pay (tree_choice.py), 4 children a node. On the 1.5B target:
+            # bf16 padded passes, where rows are free, chains 1.55x plain, tree="auto"
+            # 1.78-1.94x, "on" 1.89-1.98x; float32 unpadded passes, where each row costs,
+            # chains 1.24x, "auto" 1.20x, "on" 1.00x. Branching 4 kept 2.26-2.29 tokens a
+            # tree round against 2.14 for 2 (README, session 12)
+            "tree": "auto",
             "tree_branching": 4,
             "draft_confidence": 0.0,
             "draft_path_confidence": "auto",
@@ -126,7 +128,7 @@ class EagleProposer(DoubtRules):
         self,
         head: EagleHead,
         max_context: int,
-        tree: str = "on",
+        tree: str = "auto",
         branching: int = 4,
         confidence: float | None = 0.0,
         path_confidence: float | None = 0.0,
