@@ -1,8 +1,8 @@
 """tree="auto": each round a tree or a chain, whichever has yielded more per modelled cost.
 
 Unit: the chooser tries both shapes, then keeps the one with the higher tokens-per-cost rate
-and retries the other every PROBE_EVERY rounds (a chooser that kept the lower rate fails
-`test_keeps_the_better_shape`). End to end on the tiny pair: both shapes occur, greedy output
+and retries the other every PROBE_EVERY rounds, less often when it is far behind (a chooser
+that kept the lower rate fails `test_tries_both_then_keeps_the_better_shape`). End to end on the tiny pair: both shapes occur, greedy output
 is plain decoding's, and the sampled joint law of three tokens is the target's (chi-squared,
 p > 0.001, the harness of test_exactness.py).
 """
@@ -25,15 +25,29 @@ def run_rounds(chooser: TreeOrChain, emitted: dict[bool, int], rounds: int) -> l
 
 
 def test_tries_both_then_keeps_the_better_shape():
+    """A far better shape (5 tokens a round against 2): the loser is retried only every
+    FAR_FACTOR x PROBE_EVERY rounds."""
+    rarely = TreeOrChain.FAR_FACTOR * TreeOrChain.PROBE_EVERY
     for better in (True, False):
         chooser = TreeOrChain(cost_ratio=0.1, row_cost=0.02, tree_node_cost=0.03)
         emitted = {better: 5, not better: 2}
-        shapes = run_rounds(chooser, emitted, 40)
+        shapes = run_rounds(chooser, emitted, 160)
         tries = 2 * TreeOrChain.MIN_TRIES
         assert shapes[:tries] == [False, True] * TreeOrChain.MIN_TRIES  # alternating first
         later = shapes[tries:]
-        assert later.count(better) >= len(later) - len(later) // TreeOrChain.PROBE_EVERY - 1
+        assert later.count(not better) <= len(later) // rarely + 1
         assert later.count(not better) >= 3  # the loser is still retried now and then
+
+
+def test_a_close_loser_is_retried_more_often():
+    """Shapes within FAR of each other (10 tokens a round against 9, equal costs): the loser
+    is retried every PROBE_EVERY rounds."""
+    for better in (True, False):
+        chooser = TreeOrChain(cost_ratio=0.1, row_cost=0.02, tree_node_cost=0.02)
+        shapes = run_rounds(chooser, {better: 10, not better: 9}, 86)
+        later = shapes[2 * TreeOrChain.MIN_TRIES :]
+        assert later.count(better) >= len(later) - len(later) // TreeOrChain.PROBE_EVERY - 1
+        assert later.count(not better) >= len(later) // TreeOrChain.PROBE_EVERY - 1
 
 
 def test_cost_decides_when_tokens_tie():

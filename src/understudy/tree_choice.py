@@ -14,7 +14,10 @@ cost in target passes, with the costs measured when the engine was built:
 as fractions of a 1-row target pass; measured on the default pair, a depth-8 tree of 15
 nodes took 0.90 + 1.49 passes against 0.88 + 1.64 modelled). `choose()` tries each shape
 MIN_TRIES times, then picks the one with the higher decayed tokens-per-cost rate, and
-retries the losing shape every PROBE_EVERY rounds so its estimate can recover.
+retries the losing shape every PROBE_EVERY rounds so its estimate can recover; every
+FAR_FACTOR x PROBE_EVERY rounds while its rate is under FAR of the winner's (measured with
+method="eagle" on padded bf16 passes: trees 2.2-2.9 tokens per modelled pass against
+chains 1.5-2.1, yet one round in 8 went to a chain).
 
 Why across requests: a 64-token request is often under 10 rounds, too few to learn which
 shape pays (measured: learning afresh per request, tree="auto" spent most rounds on trees
@@ -31,6 +34,8 @@ from __future__ import annotations
 class TreeOrChain:
     MIN_TRIES = 3  # rounds of each shape before the rates decide
     PROBE_EVERY = 8  # rounds between tries of the shape that is losing
+    FAR = 0.8  # a loser whose rate is under this fraction of the winner's ...
+    FAR_FACTOR = 4  # ... is tried this many times less often
     DECAY = 0.95  # older rounds of a shape count less
 
     def __init__(self, cost_ratio: float, row_cost: float, tree_node_cost: float) -> None:
@@ -51,8 +56,9 @@ class TreeOrChain:
         if min(self.tries.values()) < self.MIN_TRIES:  # alternate, a chain first
             return self.tries[False] > self.tries[True]
         best = self.rate(True) > self.rate(False)
+        far = self.rate(not best) < self.FAR * self.rate(best)
         self.rounds_since_probe += 1
-        if self.rounds_since_probe >= self.PROBE_EVERY:
+        if self.rounds_since_probe >= self.PROBE_EVERY * (self.FAR_FACTOR if far else 1):
             self.rounds_since_probe = 0
             return not best
         return best
