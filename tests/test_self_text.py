@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 
 import torch
+import torch.nn.functional as F
 from safetensors.torch import load_file
 
 from test_cli import cli
@@ -26,6 +27,7 @@ from understudy.head.self_text import (
 )
 from understudy.head.train import TrainConfig
 from understudy.models.loader import load_model
+from understudy.models.transformer import rows_attention
 
 SOURCE = '''
 import functools
@@ -105,6 +107,26 @@ def test_packed_batches_decode_as_plain_greedy(tiny_pair):
         torch.testing.assert_close(features[b], full, atol=1e-4, rtol=1e-4)
         assert torch.equal(argmax[b], full_argmax)
         assert torch.equal(argmax[b, len(prompt) - 1 : -1], tokens[b, len(prompt) :])
+
+
+def test_rows_attention_is_each_rows_own_sdpa():
+    """The batched attention of packed decoding (each row over its own gathered keys) is, row
+    by row, SDPA over those keys; query head h reads kv head h // (H / Hkv), as enable_gqa."""
+    gen = torch.Generator().manual_seed(7)
+    heads, kv_heads, rows, length, dim = 6, 2, 5, 9, 16
+    q = torch.randn(heads, rows, dim, generator=gen)  # [H, R, D]
+    keys = torch.randn(rows, kv_heads, length, dim, generator=gen)  # [R, Hkv, L, D]
+    values = torch.randn(rows, kv_heads, length, dim, generator=gen)
+    mask = torch.rand(rows, length, generator=gen) < 0.6  # [R, L]
+    mask[:, 0] = True
+    out = rows_attention(q, keys, values, mask)  # [R, H, D]
+    assert out.shape == (rows, heads, dim)
+    for r in range(rows):
+        want = F.scaled_dot_product_attention(
+            q[None, :, r : r + 1], keys[r : r + 1], values[r : r + 1],
+            attn_mask=mask[r : r + 1], enable_gqa=True,
+        )[0, :, 0]  # fmt: skip
+        torch.testing.assert_close(out[r], want, atol=1e-5, rtol=1e-5)
 
 
 def test_as_rows_cuts_sequences_in_order():

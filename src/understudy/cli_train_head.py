@@ -55,7 +55,7 @@ def train_head_command(
         int,
         typer.Option(
             help="Also train on text the target writes itself, this many tokens: standard "
-            "library docstrings as prompts, continued greedily (~45 tokens/s, batched)."
+            "library docstrings as prompts, continued greedily (~60-70 tokens/s, batched)."
         ),
     ] = 0,
     self_len: Annotated[

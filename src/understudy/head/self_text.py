@@ -9,10 +9,11 @@ user gives, and the target continues it greedily to `seq_len` tokens.
 The continuation is decoded in packed batches (`continue_in_batches`): the rows of many
 sequences share one pass of the single-sequence model, each sequence in its own region of
 cache slots (sequence b's token at position p is written to slot b * T + p) and each row
-attending only to its own region (`key_slots`). A pass streams the weights once however
-many rows it holds: on the 1.5B bf16 target on a 2-core CPU a pass of 32 rows took 0.66 s
-against 0.22 s for one, ~10x the tokens per second of decoding one sequence. The features
-come out of the same passes, so there is no second run over the text.
+attending only to its own region (`key_slots`, scored by batched matmuls: transformer.py's
+`rows_attention`). A pass streams the weights once however many rows it holds: on the 1.5B
+bf16 target on a 2-core CPU the layers of a pass of 32 / 48 / 64 rows took 0.38 / 0.49 /
+0.65 s (session 13; 0.66 s for 32 rows with one SDPA call a row) against 0.22 s for one
+row. The features come out of the same passes, so there is no second run over the text.
 
 Shards have the layout of head/features.py (tokens, features, argmax), so training reads
 them like any corpus. Invariant: row t of a sequence holds the target's final hidden state
@@ -115,11 +116,12 @@ def continue_in_batches(
     tokens[seq, pos] = ids
     features[seq, pos] = hidden.float().cpu()
     argmax[seq, pos] = top
-    # decode: one row per unfinished sequence, attending to its own region of slots
+    # decode: one row per unfinished sequence, attending to its own region of slots, all
+    # rows in batched matmuls (rows_attention; a 1-row SDPA call per row cost 1.7x a pass)
     attns = [layer.attn for layer in model.layers]
     saved = [a.rows_apart_upto for a in attns]
     for a in attns:
-        a.rows_apart_upto = max(a.rows_apart_upto, batch)
+        a.rows_apart_upto = 0
     try:
         length = torch.tensor([len(p) for p in prompts])  # [B] tokens held so far
         while True:
@@ -153,14 +155,15 @@ def extract_self_text(
     seq_len: int,
     folder: Path,
     progress: bool = True,
-    shards_per_pass: int = 2,
+    shards_per_pass: int = 3,
 ) -> list[Path]:
     """Shards of the target's own continuations of `prompts`, in head/features.py's format;
     `shards_per_pass` shards (of SHARD sequences) are decoded in one packed batch. Complete
     shards are kept (an interrupted run resumes). Returns all shard paths.
 
-    Packs the target's linears for passes of that many rows, in place (models/packed.py; on
-    the 1.5B bf16 target on a 2-core CPU 32 rows then took 0.66 s a pass, 16 rows 0.36 s)."""
+    Packs the target's linears for passes of that many rows, in place (models/packed.py).
+    3 shards (48 rows) a pass: per token, 48 rows cost 12% less than 32 and 64 rows 1% less
+    than 48 (the 1.5B bf16 target on a 2-core CPU, session 13)."""
     folder.mkdir(parents=True, exist_ok=True)
     per_pass = SHARD * shards_per_pass
     if can_pack(model.device, model.dtype):

@@ -66,6 +66,24 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
 
 
+def rows_attention(
+    q: torch.Tensor,  # [H, R, D]
+    keys: torch.Tensor,  # [R, Hkv, L, D]: each row its own keys
+    values: torch.Tensor,  # [R, Hkv, L, D]
+    mask: torch.Tensor,  # [R, L] bool
+) -> torch.Tensor:
+    """Each query row over its own L keys, all rows in batched matmuls -> [R, H, D]. A query
+    head reads kv head h // (H / Hkv), as in SDPA's enable_gqa. For batch work (the target
+    writing training text): a row's result may depend on the batch's shape."""
+    heads, rows, dim = q.shape
+    kv_heads = keys.shape[1]
+    q = q.transpose(0, 1).reshape(rows, kv_heads, heads // kv_heads, dim)  # [R, Hkv, g, D]
+    scores = (q @ keys.transpose(-1, -2)).float() * dim**-0.5  # [R, Hkv, g, L]
+    scores = scores.masked_fill(~mask[:, None, None], float("-inf"))
+    weights = torch.softmax(scores, dim=-1).to(values.dtype)  # [R, Hkv, g, L]
+    return (weights @ values).reshape(rows, heads, dim)  # [R, H, D]
+
+
 class Attention(nn.Module):
     def __init__(self, cfg: TransformerConfig) -> None:
         super().__init__()
@@ -95,8 +113,9 @@ class Attention(nn.Module):
         split: SplitKeys | None = None,
     ) -> torch.Tensor:
         """Attention of rows x over the cache after writing their keys/values to `slots`:
-        one SDPA call under `mask`; with `key_slots`, each row over its own gathered keys;
-        with `split` (padded decode passes), split_attention, exact for tree nodes."""
+        one SDPA call under `mask`; with `key_slots`, each row over its own gathered keys
+        (a 1-row SDPA call each up to rows_apart_upto rows, else `rows_attention`); with
+        `split` (padded decode passes), split_attention, exact for tree nodes."""
         cfg = self.cfg
         rows = x.shape[0]
         q, k, v = self.wqkv(x).split(self.split, dim=-1)
@@ -115,9 +134,11 @@ class Attention(nn.Module):
         gqa = cfg.num_heads != cfg.num_kv_heads
         keys, values = k_cache[None, :, :length], v_cache[None, :, :length]  # [1, Hkv, L, D]
         if key_slots is not None:  # each row its own keys, gathered in the order given
-            assert rows <= self.rows_apart_upto, "key_slots needs per-row attention"
             keys = k_cache[:, key_slots].transpose(0, 1)  # [R, Hkv, L, D]
             values = v_cache[:, key_slots].transpose(0, 1)  # [R, Hkv, L, D]
+            if rows > self.rows_apart_upto:  # batched, rows as the batch (not row-invariant)
+                out = rows_attention(q, keys, values, mask)  # [R, H, D]
+                return self.wo(out.reshape(rows, -1))
         if rows <= self.rows_apart_upto:  # each query row its own call, the shape of a 1-row pass
             per_row = keys.shape[0] > 1
             out = torch.cat(
