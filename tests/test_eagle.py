@@ -24,6 +24,7 @@ from understudy.head.pipeline import HeadSettings, train_head
 from understudy.head.train import TrainConfig, evaluate, training_autocast, unrolled_losses
 from understudy.models.eagle_head import EagleHead, load_head
 from understudy.models.loader import load_model
+from understudy.models.quant import Int4Linear
 
 SETTINGS = HeadSettings(
     intermediate_size=96,
@@ -151,7 +152,7 @@ def test_inference_sees_what_training_saw(trained):
     target, folder, _ = trained
     engine = Engine.from_pretrained(
         target=target, method="eagle", draft=str(folder), dtype="float32",
-        num_speculative_tokens=3, tree="off",
+        num_speculative_tokens=3, tree="off", draft_quantization=None,
     )  # fmt: skip
     params = SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True)
     prompt = random_prompts(1, seed=5)[0]
@@ -230,10 +231,41 @@ def test_default_drafts_trees_where_they_pay_and_keeps_identity(trained):
     )
     assert engine.tree_mode == "auto" and engine.tree and engine.proposer.branching == 4
     assert engine.exact
+    # on a CPU the head drafts in int4 (draft_quantization="auto"), its LM rows included
+    info = engine.proposer.head.quantization
+    assert info.scheme == "int4-g32" and "lm" in info.quantized and "fc" in info.quantized
+    assert isinstance(engine.proposer.head.fc, Int4Linear)
     plain = engine.with_method("none")
     params = SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True)
     for prompt in random_prompts(3, seed=17):
         assert engine.generate(prompt, params).token_ids == plain.generate(prompt, params).token_ids
+
+
+def test_head_quantization_is_chosen_and_checked(trained):
+    """draft_quantization applies to the head: None keeps it dense, a scheme is used as
+    given (and still keeps greedy identity), an unknown one is refused by name."""
+    target, folder, _ = trained
+
+    def build(quantization: str | None) -> Engine:
+        return Engine.from_pretrained(
+            target=target, method="eagle", draft=str(folder), dtype="float32",
+            draft_quantization=quantization,
+        )  # fmt: skip
+
+    dense = build(None).proposer.head
+    assert not hasattr(dense, "quantization") and type(dense.fc) is torch.nn.Linear
+    engine = build("int8")
+    assert engine.proposer.head.quantization.scheme == "int8"
+    plain = engine.with_method("none")
+    params = SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True)
+    accepted = 0
+    for prompt in random_prompts(3, seed=23):
+        out = engine.generate(prompt, params)
+        assert out.token_ids == plain.generate(prompt, params).token_ids
+        accepted += out.stats.accepted
+    assert accepted > 0
+    with pytest.raises(UnderstudyError, match="draft_quantization must be"):
+        build("int3")
 
 
 def test_tree_rounds_hand_the_head_the_kept_path(trained):

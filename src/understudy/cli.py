@@ -78,7 +78,10 @@ def generate(
     dtype: Annotated[str, typer.Option(help="auto | float32 | bfloat16 | float16")] = "auto",
     max_context: Annotated[int, typer.Option(help="Prompt + generation, in tokens.")] = 4096,
     draft_quantization: Annotated[
-        str, typer.Option(help="auto | none | int8 | int4 | int4-g32 (the draft only).")
+        str,
+        typer.Option(
+            help="auto | none | int8 | int4 | int4-g32 (the draft model or eagle's head)."
+        ),
     ] = "auto",
     option: Annotated[
         list[str] | None,

@@ -147,8 +147,9 @@ class Engine:
         """Load the models and build a ready engine (DESIGN.md section 3). `drafter_options`
         go to the drafter's `from_models` (e.g. prompt_lookup_max for method="ngram").
         `draft_quantization`: "auto" (int4, group 32, on a CPU; none on CUDA), None, or a
-        scheme of models/quant.py ("int8", "int4", "int4-g32", ...). The draft never decides
-        a token, so quantizing it cannot change the output, only the speed."""
+        scheme of models/quant.py ("int8", "int4", "int4-g32", ...), for the draft model or
+        method="eagle"'s head. The drafter never decides a token, so quantizing it cannot
+        change the output, only the speed."""
         from understudy.factory import build_engine
 
         return build_engine(

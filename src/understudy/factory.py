@@ -77,7 +77,8 @@ DEFAULT_CPU_DRAFT_QUANTIZATION = "int4-g32"  # measured fastest on this CPU: doc
 
 
 def resolve_draft_quantization(value: str | None, draft: LoadedModel) -> str | None:
-    """ "auto" -> int4 (group 32) on a CPU, none on CUDA (torch's packed kernels are CPU ones)."""
+    """ "auto" -> int4 (group 32) on a CPU, none on CUDA (torch's packed kernels are CPU ones).
+    `draft`: the model whose device decides (the draft, or the target it shares one with)."""
     if value in (None, "none"):
         return None
     if value == "auto":
@@ -87,6 +88,15 @@ def resolve_draft_quantization(value: str | None, draft: LoadedModel) -> str | N
             f"draft_quantization must be auto, none or one of {', '.join(SCHEMES)}; got {value!r}"
         )
     return value
+
+
+def quantize_own_drafter(proposer: object, value: str | None, target: LoadedModel) -> None:
+    """`draft_quantization` for a drafter that holds its own network (method="eagle": the
+    head), on the target's device: "auto" is int4 (group 32) on a CPU, as for a draft model."""
+    quantize = getattr(proposer, "quantize", None)
+    scheme = resolve_draft_quantization(value, target)
+    if quantize is not None and scheme is not None:
+        quantize(scheme)
 
 
 # Timings use a typical request's key window (prompt + budget ~ 500 slots), not the engine's
@@ -257,6 +267,7 @@ def build_engine(
             proposer = drafter.from_models(target_model, None, max_context, head=draft, **options)
         else:
             proposer = drafter.from_models(target_model, None, max_context, **options)
+        quantize_own_drafter(proposer, draft_quantization, target_model)
     engine = Engine(target_model, proposer, method, k, max_context, rows, exact, pad=pad)
     measure_engine_costs(engine)
     return engine

@@ -26,6 +26,7 @@ from understudy.factory import (
     install_row_invariant_kernels,
     measure_engine_costs,
     prepare_target_kernels,
+    quantize_own_drafter,
     resolve_draft_quantization,
     target_pass_shape,
 )
@@ -161,6 +162,7 @@ def assemble_engine(spec: MethodSpec, pool: ModelPool, max_context: int) -> Engi
     drafter = DRAFTERS[spec.method]
     draft_model = pool.draft(spec.draft_quantization) if spec.needs_draft_model else None
     proposer = drafter.from_models(target_model, draft_model, max_context, **spec.options)
+    quantize_own_drafter(proposer, spec.draft_quantization, target_model)
     engine = Engine(target_model, proposer, spec.method, k, max_context, rows, exact, pad=pad)
     measure_engine_costs(engine)
     return engine

@@ -44,6 +44,7 @@ from understudy.drafters.tree_search import BestFirstTree, tree_log_scores
 from understudy.models.eagle_head import CONFIG_FILE, EagleHead, load_head, read_head_config
 from understudy.models.fetch import cache_dir
 from understudy.models.loader import LoadedModel
+from understudy.models.quant import quantize_model
 from understudy.sampling import sample, warp_probs
 
 # head cache slots past the real pairs, for a tree's nodes (a round stops growing its tree
@@ -142,6 +143,12 @@ class EagleProposer(DoubtRules):
         self.tree = tree  # "off", "on" or "auto" (the engine decides each round)
         self.branching = branching
         self.init_doubt(confidence, path_confidence)
+
+    def quantize(self, scheme: str) -> None:
+        """Quantize the head's linears, its LM rows included (models/quant.py), in place. It
+        only drafts, so this changes how often guesses are kept, never the output. Session
+        13: int4-g32 halved a head step (2-core CPU) and moved held-out agreement by <= 0.004."""
+        quantize_model(self.head, scheme)
 
     def begin(self, prompt_ids: list[int]) -> None:
         self.known = 0

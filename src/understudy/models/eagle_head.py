@@ -108,7 +108,7 @@ class EagleHead(nn.Module):
     def rotary(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         freqs = positions.float()[:, None] * self.inv_freq.to(positions.device)[None]  # [R, D/2]
         emb = torch.cat((freqs, freqs), dim=-1)  # [R, D]
-        dtype = self.fc.weight.dtype
+        dtype = self.norm.weight.dtype
         return emb.cos().to(dtype), emb.sin().to(dtype)
 
     def step(
@@ -155,7 +155,7 @@ class EagleHead(nn.Module):
     # -- inference: a KV cache of pairs ------------------------------------------------------
 
     def allocate_cache(self, slots: int) -> None:
-        cfg, weight = self.cfg, self.fc.weight
+        cfg, weight = self.cfg, self.norm.weight
         if self.k_cache is None or self.k_cache.shape[1] != slots:
             shape = (cfg.num_kv_heads, slots, cfg.head_dim)
             self.k_cache = torch.zeros(shape, dtype=weight.dtype, device=weight.device)
@@ -173,12 +173,12 @@ class EagleHead(nn.Module):
         assert self.k_cache is not None and self.v_cache is not None, "allocate_cache first"
         n, start = tokens.shape[0], self.length
         assert start + n <= self.k_cache.shape[1], "the head's cache is full"
-        device = self.fc.weight.device
+        device = self.norm.weight.device
         positions = torch.arange(start, start + n, device=device)
         mask = torch.arange(start + n, device=device)[None, :] <= positions[:, None]  # [n, L]
         out = self.step(
             tokens.to(device),
-            features.to(device, self.fc.weight.dtype),
+            features.to(device, self.norm.weight.dtype),
             positions,
             positions,
             mask,
@@ -206,13 +206,13 @@ class EagleHead(nn.Module):
         assert self.k_cache is not None and self.v_cache is not None, "allocate_cache first"
         e, span = visible.shape
         assert base + span <= self.k_cache.shape[1], "the head's cache is full"
-        device = self.fc.weight.device
+        device = self.norm.weight.device
         mask = torch.zeros(e, base + span, dtype=torch.bool, device=device)  # [e, L]
         mask[:, :base] = True
         mask[:, base:] = visible.to(device)
         return self.step(
             tokens.to(device),
-            features.to(device, self.fc.weight.dtype),
+            features.to(device, self.norm.weight.dtype),
             base + depths.to(device),
             base + offsets.to(device),
             mask,
