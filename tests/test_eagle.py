@@ -45,6 +45,19 @@ def target_written_text(target: str, count: int, seed: int, temperature: float) 
     return sequences
 
 
+def accepted_in_greedy_identity(engine: Engine, prompts: list[list[int]], tokens: int) -> int:
+    """Assert that `engine`'s greedy output equals plain decoding's on every prompt; return
+    how many guesses it kept in all (so a caller can check that it drafted at all)."""
+    plain = engine.with_method("none")
+    params = SamplingParams(max_tokens=tokens, temperature=0.0, ignore_eos=True)
+    accepted = 0
+    for prompt in prompts:
+        out = engine.generate(prompt, params)
+        assert out.token_ids == plain.generate(prompt, params).token_ids
+        accepted += out.stats.accepted
+    return accepted
+
+
 @pytest.fixture(scope="module")
 def trained(tiny_pair, tmp_path_factory) -> tuple[str, Path, dict]:
     target, _ = tiny_pair
@@ -184,14 +197,7 @@ def test_greedy_identity(trained, k):
         num_speculative_tokens=k, tree="off",
     )  # fmt: skip
     assert engine.exact and not engine.tree
-    plain = engine.with_method("none")
-    params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
-    accepted = 0
-    for prompt in random_prompts(4, seed=11):
-        out = engine.generate(prompt, params)
-        assert out.token_ids == plain.generate(prompt, params).token_ids
-        accepted += out.stats.accepted
-    assert accepted > 0
+    assert accepted_in_greedy_identity(engine, random_prompts(4, seed=11), 40) > 0
 
 
 @pytest.mark.parametrize("k,branching", [(3, 2), (4, 3), ("auto", 2)])
@@ -256,14 +262,7 @@ def test_head_quantization_is_chosen_and_checked(trained):
     assert not hasattr(dense, "quantization") and type(dense.fc) is torch.nn.Linear
     engine = build("int8")
     assert engine.proposer.head.quantization.scheme == "int8"
-    plain = engine.with_method("none")
-    params = SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True)
-    accepted = 0
-    for prompt in random_prompts(3, seed=23):
-        out = engine.generate(prompt, params)
-        assert out.token_ids == plain.generate(prompt, params).token_ids
-        accepted += out.stats.accepted
-    assert accepted > 0
+    assert accepted_in_greedy_identity(engine, random_prompts(3, seed=23), 32) > 0
     with pytest.raises(UnderstudyError, match="draft_quantization must be"):
         build("int3")
 
