@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 
+import pytest
 import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file
@@ -127,6 +128,23 @@ def test_rows_attention_is_each_rows_own_sdpa():
             attn_mask=mask[r : r + 1], enable_gqa=True,
         )[0, :, 0]  # fmt: skip
         torch.testing.assert_close(out[r], want, atol=1e-5, rtol=1e-5)
+
+
+def test_shared_calls_are_for_batch_work_only(tiny_pair):
+    """Rows with their own keys are scored together only inside continue_in_batches; any
+    other pass of them past rows_apart_upto (verification's) is refused, not batched."""
+    target, _ = tiny_pair
+    model = load_model(target, "float32").model
+    model.allocate_cache(64)
+    rows = torch.arange(3)
+    key_slots = rows[:, None] * 8 + torch.arange(8)[None]  # [3, 8]
+    mask = torch.ones(3, 8, dtype=torch.bool)
+    with pytest.raises(AssertionError, match="per-row attention"):
+        model.hidden_states(rows + 1, rows, rows * 8, mask, key_slots)
+    continue_in_batches(model, [[5, 6], [7, 8, 9]], 12)
+    assert not any(layer.attn.rows_share_calls for layer in model.layers)  # restored
+    with torch.inference_mode(), pytest.raises(AssertionError, match="per-row attention"):
+        model.hidden_states(rows + 1, rows, rows * 8, mask, key_slots)
 
 
 def test_as_rows_cuts_sequences_in_order():

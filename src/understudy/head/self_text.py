@@ -119,9 +119,9 @@ def continue_in_batches(
     # decode: one row per unfinished sequence, attending to its own region of slots, all
     # rows in batched matmuls (rows_attention; a 1-row SDPA call per row cost 1.7x a pass)
     attns = [layer.attn for layer in model.layers]
-    saved = [a.rows_apart_upto for a in attns]
+    saved = [(a.rows_apart_upto, a.rows_share_calls) for a in attns]
     for a in attns:
-        a.rows_apart_upto = 0
+        a.rows_apart_upto, a.rows_share_calls = 0, True
     try:
         length = torch.tensor([len(p) for p in prompts])  # [B] tokens held so far
         while True:
@@ -144,8 +144,8 @@ def continue_in_batches(
             argmax[live, p] = model.lm_head(hidden).argmax(-1).cpu()
             length[live] += 1
     finally:
-        for a, value in zip(attns, saved, strict=True):
-            a.rows_apart_upto = value
+        for a, (apart, share) in zip(attns, saved, strict=True):
+            a.rows_apart_upto, a.rows_share_calls = apart, share
     return tokens, features, argmax
 
 

@@ -99,6 +99,10 @@ class Attention(nn.Module):
         # on an AVX-512 EPYC; a loop of 1-row calls costs what one batched call does there).
         # 0 = off. Longer passes (a prompt's chunks) stay batched.
         self.rows_apart_upto = 0
+        # batch work only (the target writing training text, head/self_text.py): rows with
+        # their own keys past rows_apart_upto are scored together by `rows_attention`, which
+        # is not row-invariant; off, such a pass is refused, so verification never gets it
+        self.rows_share_calls = False
 
     def forward(
         self,
@@ -137,6 +141,7 @@ class Attention(nn.Module):
             keys = k_cache[:, key_slots].transpose(0, 1)  # [R, Hkv, L, D]
             values = v_cache[:, key_slots].transpose(0, 1)  # [R, Hkv, L, D]
             if rows > self.rows_apart_upto:  # batched, rows as the batch (not row-invariant)
+                assert self.rows_share_calls, "key_slots needs per-row attention"
                 out = rows_attention(q, keys, values, mask)  # [R, H, D]
                 return self.wo(out.reshape(rows, -1))
         if rows <= self.rows_apart_upto:  # each query row its own call, the shape of a 1-row pass
