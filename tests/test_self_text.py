@@ -22,6 +22,7 @@ from understudy.head.features import target_features
 from understudy.head.pipeline import HeadSettings, as_rows, train_head
 from understudy.head.self_text import (
     LENGTH_RUN,
+    OPENERS,
     continue_in_batches,
     docstring_prompts,
     function_prompts,
@@ -192,6 +193,9 @@ def test_self_text_options_are_checked(tiny_pair, tmp_path):
         (["--self-tokens", "4096", "--seq-len", "100"], "multiple of --self-len"),
         (["--tokens", "10"], "--tokens must be at least 1024"),
         (["--init", str(tmp_path / "nothing")], "no trained head there"),
+        (["--opener-tokens", "100"], "--opener-tokens must be 0 or at least 512"),
+        (["--opener-tokens", "4096", "--self-len", "64"], "--self-len must be over 64"),
+        (["--opener-tokens", "-1"], "--opener-tokens must be at least 0"),
     ):
         bad = cli("train-head", *common, *options)
         assert bad.returncode == 2 and said in " ".join(bad.stderr.split()), bad.stderr
@@ -214,3 +218,82 @@ def test_train_head_on_self_text_from_the_command_line(tiny_pair, tmp_path):
     assert more.returncode == 0, more.stderr
     config = json.loads((second / "config.json").read_text())
     assert config["meta"]["init"] == str(first) and config["meta"]["self_tokens"] == 128
+
+
+def test_sampled_prompts_then_greedy(tiny_pair):
+    """With `sample_to`, a sequence's tokens past its prompt are drawn from the target's
+    distribution up to sample_to and greedy after it; the same seed draws the same text."""
+    target, _ = tiny_pair
+    model = load_model(target, "float32").model
+    prompts = [[5, 6], [7], [8, 9, 10]]
+    sample_to = [20, 12, 3]  # the last: nothing to sample (3 = its prompt's length)
+
+    def run(seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+        generator = torch.Generator().manual_seed(seed)
+        tokens, _, argmax = continue_in_batches(model, prompts, 40, sample_to, 1.0, generator)
+        return tokens, argmax
+
+    tokens, argmax = run(0)
+    for b, until in enumerate(sample_to):
+        # greedy from sample_to on: the token at t + 1 is the argmax after t
+        assert torch.equal(tokens[b, until:], argmax[b, until - 1 : -1])
+    # a random tiny target's distributions are nearly flat: samples are seldom its argmax
+    drawn = torch.cat([tokens[0, 2:20] != argmax[0, 1:19], tokens[1, 1:12] != argmax[1, 0:11]])
+    assert drawn.float().mean() > 0.8
+    again, _ = run(0)
+    assert torch.equal(again, tokens) and not torch.equal(run(1)[0], tokens)
+    greedy, _, _ = continue_in_batches(model, prompts[2:], 40)
+    assert torch.equal(tokens[2], greedy[0])
+
+
+def test_sampled_tokens_follow_the_targets_distribution(tiny_pair):
+    """The first sampled token of 3000 copies of one prompt, against softmax(logits / T):
+    chi-squared over the target's 12 likeliest tokens and the rest pooled, p > 1e-4 (a
+    correct sampler fails this 1 time in 10^4). Mutation: sampling at temperature 1 while
+    asked for 0.5 fails it."""
+    from scipy.stats import chisquare
+
+    target, _ = tiny_pair
+    model = load_model(target, "float32").model
+    prompt, copies, temperature = [11, 12, 13], 3000, 0.5
+    with torch.inference_mode():
+        hidden, _ = target_features(model, torch.tensor(prompt))
+        probs = torch.softmax(model.lm_head(hidden[-1:]).float() / temperature, -1)[0]
+    top = probs.topk(12).indices
+    share = torch.cat([probs[top], (1 - probs[top].sum()).reshape(1)]).double()
+    expected = share / share.sum() * copies
+
+    def counts(sample_temperature: float) -> torch.Tensor:
+        generator = torch.Generator().manual_seed(7)
+        tokens, _, _ = continue_in_batches(
+            model, [prompt] * copies, 5, [5] * copies, sample_temperature, generator
+        )
+        first = tokens[:, 3]  # [copies]
+        hits = (first[:, None] == top[None]).sum(0).double()  # [12]
+        return torch.cat([hits, (copies - hits.sum()).reshape(1)])
+
+    assert chisquare(counts(temperature), expected).pvalue > 1e-4
+    assert chisquare(counts(1.0), expected).pvalue < 1e-4  # mutation: the wrong temperature
+
+
+def test_train_head_on_text_begun_from_openers(tiny_pair, tmp_path):
+    """`--opener-tokens N`: the target begins each prompt from a file opener (OPENERS, in
+    turn) and writes the rest; the shards hold the openers' ids first, and the source holds
+    out its own last sequences."""
+    from transformers import AutoTokenizer
+
+    target, _ = tiny_pair
+    out = tmp_path / "head"
+    made = cli("train-head", "--target", target, "--no-progress", "--tokens", "0", "--self-len",
+               "80", "--opener-tokens", "320", "--epochs", "1", "--intermediate-size", "32",
+               "--draft-vocab", "64", "--out", str(out))  # fmt: skip
+    assert made.returncode == 0, made.stderr
+    assert "0 tokens (stdlib) + 320 the target writes" in " ".join(made.stderr.split())
+    meta = json.loads((out / "config.json").read_text())["meta"]
+    assert meta["opener_sequences"] == 4 and meta["self_sequences"] == 0
+    assert meta["train_sequences"] == 3  # 1 of the 4 held out
+    shard = load_file(str(out / "features-open-80" / "features-0000.safetensors"))
+    tokenizer = AutoTokenizer.from_pretrained(target)
+    for row, opener in zip(shard["tokens"], OPENERS, strict=False):
+        ids = tokenizer(opener)["input_ids"]
+        assert row[: len(ids)].tolist() == ids

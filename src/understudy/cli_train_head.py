@@ -4,6 +4,8 @@
     understudy train-head --target T --out DIR --data my_code/ --tokens 100000
     understudy train-head --tokens 0 --self-tokens 122880 --init HEAD --out DIR
                                                      # text the target writes, from a head
+    understudy train-head --tokens 0 --self-tokens 368640 --opener-tokens 196608
+                                                     # ... also in other languages
 
 The target runs once over the corpus (its features are cached in the output folder), then
 the head trains on the cache. Interrupt it at will: run the same command again and it
@@ -58,6 +60,14 @@ def train_head_command(
             "library docstrings as prompts, continued greedily (~60-70 tokens/s, batched)."
         ),
     ] = 0,
+    opener_tokens: Annotated[
+        int,
+        typer.Option(
+            help="Also train on this many tokens the target writes from file openers in many "
+            "languages (JavaScript, C, Go, Rust, SQL, ...): it samples the rest of each prompt "
+            "(48 tokens), then continues greedily."
+        ),
+    ] = 0,
     self_len: Annotated[
         int, typer.Option(help="Tokens per self-written sequence (a divisor of --seq-len).")
     ] = 256,
@@ -89,13 +99,14 @@ def train_head_command(
     from understudy.drafters.eagle import default_head_dir
     from understudy.head.corpus import stdlib_files, text_files, token_sequences
     from understudy.head.pipeline import HeadSettings, train_head
-    from understudy.head.self_text import docstring_prompts
+    from understudy.head.self_text import OPENER_SAMPLED, docstring_prompts, opener_prompts
     from understudy.head.train import PRECISIONS, TrainConfig
     from understudy.models.loader import load_model
     from understudy.models.registry import DEFAULT_TARGET
 
     for name, value, low in (
         ("self-tokens", self_tokens, 0),
+        ("opener-tokens", opener_tokens, 0),
         ("seq-len", seq_len, 16),
         ("self-len", self_len, 16),
         ("epochs", epochs, 1),
@@ -106,12 +117,22 @@ def train_head_command(
     ):
         if value < low:
             fail(f"--{name} must be at least {low}, got {value}")
-    if tokens < 2 * seq_len and (tokens or not self_tokens):
-        fail(f"--tokens must be at least {2 * seq_len} (or 0 with --self-tokens), got {tokens}")
-    if self_tokens and tokens and seq_len % self_len:
+    written = self_tokens or opener_tokens
+    if tokens < 2 * seq_len and (tokens or not written):
+        fail(
+            f"--tokens must be at least {2 * seq_len} (or 0 with --self-tokens or "
+            f"--opener-tokens), got {tokens}"
+        )
+    if written and tokens and seq_len % self_len:
         fail(f"--seq-len {seq_len} must be a multiple of --self-len {self_len}")
-    if self_tokens and self_tokens < 2 * self_len:
-        fail(f"--self-tokens must be 0 or at least {2 * self_len}, got {self_tokens}")
+    for name, value in (("self-tokens", self_tokens), ("opener-tokens", opener_tokens)):
+        if value and value < 2 * self_len:
+            fail(f"--{name} must be 0 or at least {2 * self_len}, got {value}")
+    if opener_tokens and self_len <= OPENER_SAMPLED + 16:
+        fail(
+            f"--self-len must be over {OPENER_SAMPLED + 16} with --opener-tokens "
+            f"({OPENER_SAMPLED} are sampled), got {self_len}"
+        )
     if init is not None and not (init / "head.safetensors").is_file():
         fail(f"--init {init}: no trained head there (head.safetensors)")
     if not lr > 0:
@@ -153,8 +174,11 @@ def train_head_command(
             prompts = docstring_prompts(stdlib_files(), loaded.tokenizer, count, self_len - 1)
             if len(prompts) < 2:
                 raise UnderstudyError("found under 2 docstring prompts shorter than --self-len")
+        openers = opener_prompts(loaded.tokenizer, whole_shards(opener_tokens // self_len))
+        openers = openers if opener_tokens else []
         folder = out or default_head_dir(loaded.name)
-        written = f" + {len(prompts) * self_len} the target writes" if prompts else ""
+        own = (len(prompts) + len(openers)) * self_len
+        written = f" + {own} the target writes" if own else ""
         err.print(
             f"training a head for {loaded.name} on {len(sequences) * seq_len} tokens "
             f"({corpus}){written}; output: {folder}"
@@ -165,7 +189,9 @@ def train_head_command(
             train=train_cfg,
             self_len=self_len,
         )
-        meta = train_head(loaded, sequences, folder, corpus, settings, progress, prompts, init)
+        meta = train_head(
+            loaded, sequences, folder, corpus, settings, progress, prompts, init, openers
+        )
     except (UnderstudyError, FileNotFoundError) as error:
         fail(str(error))
         return

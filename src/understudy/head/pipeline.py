@@ -5,6 +5,7 @@ finds it by itself):
     head.safetensors, config.json      the trained head (models/eagle_head.py)
     features-<corpus>-<T>/             cached target features (head/features.py), reusable
     features-self-<T>/                 the target's own continuations (head/self_text.py)
+    features-open-<T>/                 ... of prompts it began itself from file openers
     checkpoint.pt                      the training state, for resuming
 Every stage resumes: shards already extracted are kept, a checkpoint is continued.
 """
@@ -22,7 +23,7 @@ from torch import nn
 
 from understudy.config import UnderstudyError
 from understudy.head.features import SHARD, extract, load_shards
-from understudy.head.self_text import extract_self_text
+from understudy.head.self_text import OPENER_SAMPLED, extract_self_text
 from understudy.head.train import TrainConfig, choose_vocab, train
 from understudy.models.eagle_head import (
     WEIGHTS_FILE,
@@ -92,6 +93,7 @@ def train_head(
     progress: bool = True,
     self_prompts: list[list[int]] | None = None,
     init: Path | None = None,
+    opener_prompts: list[list[int]] | None = None,
 ) -> dict[str, object]:
     """Extract features (cached), train, save; returns the config.json "meta" facts.
 
@@ -99,9 +101,12 @@ def train_head(
     continues itself to `settings.self_len` tokens (head/self_text.py); then both kinds train
     together, corpus sequences cut to that length (T must be a multiple of it). Each source
     holds out its own last sequences. `init`: start from that trained head (its vocabulary is
-    kept) instead of a fresh one. Releases the target's layers once features are extracted."""
+    kept) instead of a fresh one. `opener_prompts`: file openers (self_text.opener_prompts)
+    after which the target samples OPENER_SAMPLED tokens of prompt, then continues greedily;
+    a third source. Releases the target's layers once features are extracted."""
     self_prompts = self_prompts or []
-    if len(sequences) + len(self_prompts) < 2:
+    opener_prompts = opener_prompts or []
+    if len(sequences) + len(self_prompts) + len(opener_prompts) < 2:
         raise ValueError("training a head needs at least 2 sequences (one is held out)")
     seq_len = len(sequences[0]) if sequences else settings.self_len
     t0 = time.perf_counter()
@@ -109,12 +114,25 @@ def train_head(
     if sequences:
         paths = extract(target.model, sequences, folder / f"features-{corpus}-{seq_len}", progress)
         parts.append(load_shards(paths))
+    written = []
     if self_prompts:
         self_folder = folder / f"features-self-{settings.self_len}"
         paths = extract_self_text(
             target.model, self_prompts, settings.self_len, self_folder, progress
         )
-        parts = [as_rows(p, settings.self_len) for p in parts] + [load_shards(paths)]
+        written.append(load_shards(paths))
+    if opener_prompts:
+        paths = extract_self_text(
+            target.model,
+            opener_prompts,
+            settings.self_len,
+            folder / f"features-open-{settings.self_len}",
+            progress,
+            sampled=OPENER_SAMPLED,
+        )
+        written.append(load_shards(paths))
+    if written:
+        parts = [as_rows(p, settings.self_len) for p in parts] + written
     extract_s = time.perf_counter() - t0
     release_layers(target)
     splits = [split_held_out(p) for p in parts]
@@ -146,6 +164,8 @@ def train_head(
         "tokens": len(sequences) * seq_len,
         "self_sequences": len(self_prompts),
         "self_tokens": len(self_prompts) * settings.self_len,
+        "opener_sequences": len(opener_prompts),
+        "opener_tokens": len(opener_prompts) * settings.self_len,
         "init": str(init) if init is not None else None,
         "extract_seconds_this_run": round(extract_s, 1),
         "draft_vocab_coverage_held_out": round(coverage, 4),
