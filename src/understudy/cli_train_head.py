@@ -174,8 +174,9 @@ def train_head_command(
             prompts = docstring_prompts(stdlib_files(), loaded.tokenizer, count, self_len - 1)
             if len(prompts) < 2:
                 raise UnderstudyError("found under 2 docstring prompts shorter than --self-len")
-        openers = opener_prompts(loaded.tokenizer, whole_shards(opener_tokens // self_len))
-        openers = openers if opener_tokens else []
+        openers: list[list[int]] = []
+        if opener_tokens:
+            openers = opener_prompts(loaded.tokenizer, whole_shards(opener_tokens // self_len))
         folder = out or default_head_dir(loaded.name)
         own = (len(prompts) + len(openers)) * self_len
         written = f" + {own} the target writes" if own else ""
