@@ -160,33 +160,40 @@ def test_saved_files_and_resume(trained, tiny_pair):
 
 
 def test_inference_sees_what_training_saw(trained):
-    """Each round's first guess is the training path's argmax at the same position (so the
-    features reach the head at the right positions through the engine's rounds)."""
+    """Each chain round's s-th guess, for s = 1..3 while the guesses before it were kept, is
+    the training path's argmax of step s at the same position: the features reach the head
+    at the right positions through the engine's rounds, and training's unrolled steps attend
+    as drafting does (EagleHead.sequence). Mutation: with steps s > 1 attending to their
+    own step's pairs (the scheme before session 15), the deeper guesses differ."""
     target, folder, _ = trained
     engine = Engine.from_pretrained(
         target=target, method="eagle", draft=str(folder), dtype="float32",
         num_speculative_tokens=3, tree="off", draft_quantization=None,
     )  # fmt: skip
-    params = SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True)
-    prompt = random_prompts(1, seed=5)[0]
-    rounds = []
-    out = engine.stream(prompt, params, on_round=rounds.append)
-    generated = [event.token_id for event in out]
-    sequence = torch.tensor(prompt + generated)
+    params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
     model = load_model(target, "float32").model
     head = load_head(folder, model)
-    features, _ = target_features(model, sequence)
-    with torch.no_grad():
-        predicted = head.sequence(sequence[None, 1:], features[None, :-1])[0]  # f^ for 1..n-1
-    guesses = head.vocab[head.draft_logits(predicted).argmax(-1)]  # guesses[j]: token j + 2
-    length = len(prompt) + 1
-    checked = 0
-    for r in rounds:
-        if r.drafted:  # the last round may have no room to draft
-            assert r.drafted[0] == int(guesses[length - 2]), r
-            checked += 1
-        length += r.accepted + 1
-    assert checked >= 5
+    checked = [0, 0, 0]  # guesses compared at depths 1, 2, 3
+    for prompt in random_prompts(3, seed=5):
+        rounds = []
+        out = engine.stream(prompt, params, on_round=rounds.append)
+        sequence = torch.tensor(prompt + [event.token_id for event in out])
+        features, _ = target_features(model, sequence)
+        guesses = []  # guesses[s - 1][i]: step s's guess of token i + s + 1
+        inputs, earlier = features[None, :-1], None
+        with torch.no_grad():
+            for s in (1, 2, 3):
+                t = sequence.shape[0] - s
+                predicted, earlier = head.sequence(sequence[None, s:], inputs[:, :t], earlier)
+                guesses.append(head.vocab[head.draft_logits(predicted[0]).argmax(-1)])
+                inputs = predicted
+        length = len(prompt) + 1
+        for r in rounds:
+            for depth in range(min(len(r.drafted), r.accepted + 1, 3)):
+                assert r.drafted[depth] == int(guesses[depth][length - 2]), (r, depth)
+                checked[depth] += 1
+            length += r.accepted + 1
+    assert checked[0] >= 10 and checked[1] >= 3 and checked[2] >= 1, checked
 
 
 @pytest.mark.parametrize("k", [1, 3, 5, "auto"])

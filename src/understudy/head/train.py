@@ -6,9 +6,12 @@ target's own outputs, never against the corpus text:
     softmax(lm(f_{t+1})), and the head's, softmax(lm(f^_{t+1})), both over the draft
     vocabulary (lm = the target's LM rows);
   - regression: smooth-L1 between f^_{t+1} and f_{t+1}, in units of the features' std.
-Drafting feeds the head its own predictions, so training unrolls `unroll` steps (cf.
-EAGLE-3's training-time test): step s feeds the predictions of step s-1 as the features,
-and every step is scored against the real features and distributions.
+Drafting feeds the head its own predictions, so training unrolls `unroll` steps (EAGLE-3's
+training-time test): step s feeds the predictions of step s-1 as the features, and every
+step is scored against the real features and distributions. Each step attends as drafting
+does (EagleHead.sequence): to the real pairs before its chain and to its own chain. (Until
+session 15 a step s > 1 attended to the other positions' step-s pairs instead, of the
+head's own predicted features, which drafting never shows it.)
 
 Two options for a head trained on little text (it overfits: in session 8 it agreed with the
 target on ~0.75 of training positions and 0.50 held out):
@@ -123,11 +126,12 @@ def unrolled_losses(
     vocab_index[head.vocab.cpu()] = torch.arange(head.vocab.shape[0])
     with torch.no_grad():  # the target's distributions of tokens 2..T, shared by all steps
         target_probs = torch.softmax(head.draft_logits(features[:, 1:]), dim=-1)  # [B, T-1, N]
+    earlier = None  # the keys/values of the steps so far (EagleHead.sequence)
     for s in range(1, unroll + 1):
         t = features.shape[1] - s  # pairs with a target at this step
         if t <= 0:
             break
-        predicted = head.sequence(tokens[:, s : s + t], inputs[:, :t])  # [B, t, H]
+        predicted, earlier = head.sequence(tokens[:, s : s + t], inputs[:, :t], earlier)
         real = features[:, s : s + t]  # [B, t, H]
         logp = torch.log_softmax(head.draft_logits(predicted), dim=-1)  # [B, t, N]
         cls = -(target_probs[:, s - 1 : s - 1 + t] * logp).sum(-1).mean()

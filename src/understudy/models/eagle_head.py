@@ -34,6 +34,7 @@ from understudy.models.transformer import Block, RMSNorm, Transformer, Transform
 
 WEIGHTS_FILE = "head.safetensors"
 CONFIG_FILE = "config.json"
+KeysValues = tuple[torch.Tensor, torch.Tensor]  # one step's keys, values [kv_heads, n, head_dim]
 
 
 @dataclass(frozen=True)
@@ -135,22 +136,44 @@ class EagleHead(nn.Module):
         """[R, hidden] predicted features -> [R, N] float32 logits over the draft vocabulary."""
         return self.lm(predicted).float()
 
-    def sequence(self, tokens: torch.Tensor, features: torch.Tensor) -> torch.Tensor:
-        """Training: whole sequences, causal. tokens [B, T], features [B, T, hidden] ->
-        predicted features [B, T, hidden] (row t predicts f_{t+1} from pairs 0..t)."""
+    def sequence(
+        self,
+        tokens: torch.Tensor,  # [B, t]
+        features: torch.Tensor,  # [B, t, hidden]
+        earlier: list[list[KeysValues]] | None = None,
+    ) -> tuple[torch.Tensor, list[list[KeysValues]]]:
+        """Training: drafting step s over whole sequences, as drafting sees it (EAGLE-3's
+        training-time test). `earlier[b]`: the keys/values of steps 1..s-1 of sequence b
+        (None: this is step 1). Returns the predicted features [B, t, hidden] and `earlier`
+        with this step's keys/values appended.
+
+        Pair i of step 1 is (f_i, token i+1) at position i; pair i of step s > 1 is (step
+        s-1's prediction at pair i, token i+s) at position i+s-1. Like a drafting round
+        after the real pairs 0..i, it attends to step 1's pairs 0..i (real features) and to
+        pair i of each step 2..s (its own chain), nothing else."""
         b, t = tokens.shape
         cfg = self.cfg
-        positions = torch.arange(t, device=tokens.device)
-        causal = torch.ones(t, t, dtype=torch.bool, device=tokens.device).tril()
+        earlier = earlier if earlier is not None else [[] for _ in range(b)]
+        steps = len(earlier[0]) + 1
+        i = torch.arange(t, device=tokens.device)  # [t]
+        sizes = [k.shape[1] for k, _ in earlier[0]] + [t]  # pairs of each step so far
+        blocks = [
+            (j[None] <= i[:, None]) if step == 0 else (j[None] == i[:, None])  # [t, size]
+            for step, j in enumerate(torch.arange(n, device=tokens.device) for n in sizes)
+        ]
+        mask = torch.cat(blocks, dim=1)  # [t, L]
+        slots = sum(sizes[:-1]) + i  # [t] this step's slots, after the earlier steps'
         out = []
-        for i in range(b):
-            shape = (cfg.num_kv_heads, t, cfg.head_dim)
-            k_cache = torch.zeros(shape, dtype=features.dtype, device=features.device)
-            v_cache = torch.zeros(shape, dtype=features.dtype, device=features.device)
+        for row in range(b):
+            dtype = earlier[row][0][0].dtype if earlier[row] else features.dtype
+            fresh = features.new_zeros((cfg.num_kv_heads, t, cfg.head_dim), dtype=dtype)
+            k_cache = torch.cat([*(k for k, _ in earlier[row]), fresh], dim=1)  # [Hkv, L, D]
+            v_cache = torch.cat([*(v for _, v in earlier[row]), fresh], dim=1)  # [Hkv, L, D]
             out.append(
-                self.step(tokens[i], features[i], positions, positions, causal, k_cache, v_cache)
+                self.step(tokens[row], features[row], i + steps - 1, slots, mask, k_cache, v_cache)
             )
-        return torch.stack(out)
+            earlier[row] = [*earlier[row], (k_cache[:, -t:], v_cache[:, -t:])]
+        return torch.stack(out), earlier
 
     # -- inference: a KV cache of pairs ------------------------------------------------------
 
