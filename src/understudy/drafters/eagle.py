@@ -52,8 +52,9 @@ from understudy.sampling import sample, warp_probs
 TREE_SLOTS = 256
 # draft_path_confidence under automatic K: a guess is worth drafting while the chance that
 # the round is kept up to it beats its cost in tokens, ~(c + v) * tokens per pass: c ~ 0.03
-# for the head, v ~ 0 on padded passes, ~1.7 tokens a pass. Measured once (README, session
-# 10; padded bf16, 8 completion prompts): 0.05 -> 1.51x plain, 0.1 -> 1.46x, off -> 1.42x
+# for the head, v ~ 0 on padded passes, ~1.7 tokens a pass. Measured once (session 10 in
+# docs/eagle-sessions.md; padded bf16, 8 completion prompts): 0.05 -> 1.51x plain, 0.1 ->
+# 1.46x, off -> 1.42x
 AUTO_PATH_CONFIDENCE = 0.05
 
 
@@ -106,7 +107,7 @@ class EagleProposer(DoubtRules):
             # bf16 padded passes, where rows are free, chains 1.55x plain, tree="auto"
             # 1.78-1.94x, "on" 1.89-1.98x; float32 unpadded passes, where each row costs,
             # chains 1.24x, "auto" 1.20x, "on" 1.00x. Branching 4 kept 2.26-2.29 tokens a
-            # tree round against 2.14 for 2 (README, session 12)
+            # tree round against 2.14 for 2 (docs/eagle-sessions.md, session 12)
             "tree": "auto",
             "tree_branching": 4,
             "draft_confidence": 0.0,

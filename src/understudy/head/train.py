@@ -62,7 +62,7 @@ class TrainConfig:
     # half-width of the uniform noise added to the real input features, in units of the
     # features' std (0 = off); the first unrolled step reads them, later steps read the
     # head's own predictions, which carry their own error. Off by default: 0.2 gained
-    # nothing on 262k stdlib tokens (README, session 9)
+    # nothing on 262k stdlib tokens (docs/eagle-sessions.md, session 9)
     feature_noise: float = 0.0
     precision: str = "auto"  # "auto" = bfloat16 where the hardware multiplies it natively
 
