@@ -10,8 +10,8 @@ Drafting feeds the head its own predictions, so training unrolls `unroll` steps 
 training-time test): step s feeds the predictions of step s-1 as the features, and every
 step is scored against the real features and distributions. Each step attends as drafting
 does (EagleHead.sequence): to the real pairs before its chain and to its own chain. (Until
-session 15 a step s > 1 attended to the other positions' step-s pairs instead, of the
-head's own predicted features, which drafting never shows it.)
+session 15 a step s > 1 attended instead to the step-s pairs of the other positions, made
+of the head's own predicted features: a view drafting never gives it.)
 
 Two options for a head trained on little text (it overfits: in session 8 it agreed with the
 target on ~0.75 of training positions and 0.50 held out):
