@@ -12,7 +12,6 @@ import json
 
 import pytest
 import torch
-import torch.nn.functional as F
 from safetensors.torch import load_file
 
 from test_cli import cli
@@ -29,7 +28,6 @@ from understudy.head.self_text import (
 )
 from understudy.head.train import TrainConfig
 from understudy.models.loader import load_model
-from understudy.models.transformer import rows_attention
 
 SOURCE = '''
 import functools
@@ -111,39 +109,42 @@ def test_packed_batches_decode_as_plain_greedy(tiny_pair):
         assert torch.equal(argmax[b, len(prompt) - 1 : -1], tokens[b, len(prompt) :])
 
 
-def test_rows_attention_is_each_rows_own_sdpa():
-    """The batched attention of packed decoding (each row over its own gathered keys) is, row
-    by row, SDPA over those keys; query head h reads kv head h // (H / Hkv), as enable_gqa."""
+def test_region_attention_is_each_rows_own_keys(tiny_pair):
+    """Batch work's attention (`regions`: row r over cache slots r * T .. r * T + L - 1, one
+    batched SDPA call over views) equals, row by row, the per-row path over those slots
+    gathered explicitly (`key_slots`, one 1-row SDPA call each)."""
+    target, _ = tiny_pair
+    model = load_model(target, "float32").model
+    attn = model.layers[0].attn
+    rows, region, length = 4, 8, 6
     gen = torch.Generator().manual_seed(7)
-    heads, kv_heads, rows, length, dim = 6, 2, 5, 9, 16
-    q = torch.randn(heads, rows, dim, generator=gen)  # [H, R, D]
-    keys = torch.randn(rows, kv_heads, length, dim, generator=gen)  # [R, Hkv, L, D]
-    values = torch.randn(rows, kv_heads, length, dim, generator=gen)
-    mask = torch.rand(rows, length, generator=gen) < 0.6  # [R, L]
-    mask[:, 0] = True
-    out = rows_attention(q, keys, values, mask)  # [R, H, D]
-    assert out.shape == (rows, heads, dim)
-    for r in range(rows):
-        want = F.scaled_dot_product_attention(
-            q[None, :, r : r + 1], keys[r : r + 1], values[r : r + 1],
-            attn_mask=mask[r : r + 1], enable_gqa=True,
-        )[0, :, 0]  # fmt: skip
-        torch.testing.assert_close(out[r], want, atol=1e-5, rtol=1e-5)
+    model.allocate_cache(rows * region)
+    k_cache, v_cache = model.k_cache[0], model.v_cache[0]
+    k_cache.copy_(torch.randn(k_cache.shape, generator=gen))
+    v_cache.copy_(torch.randn(v_cache.shape, generator=gen))
+    x = torch.randn(rows, model.cfg.hidden_size, generator=gen)  # [R, hidden]
+    positions = torch.full((rows,), length - 1)
+    cos, sin = model.rotary(positions)
+    slots = torch.arange(rows) * region + length - 1  # [R]
+    mask = torch.rand(rows, length, generator=gen) < 0.7  # [R, L]
+    mask[:, -1] = True
+    key_slots = torch.arange(rows)[:, None] * region + torch.arange(length)[None]  # [R, L]
+    with torch.inference_mode():
+        batched = attn(x, cos, sin, slots, mask, k_cache, v_cache, regions=region)
+        attn.rows_apart_upto = rows
+        per_row = attn(x, cos, sin, slots, mask, k_cache, v_cache, key_slots)
+    torch.testing.assert_close(batched, per_row, atol=1e-5, rtol=1e-5)
 
 
-def test_shared_calls_are_for_batch_work_only(tiny_pair):
-    """Rows with their own keys are scored together only inside continue_in_batches; any
-    other pass of them past rows_apart_upto (verification's) is refused, not batched."""
+def test_gathered_keys_are_for_per_row_passes_only(tiny_pair):
+    """Rows with their own gathered keys (`key_slots`: tree nodes) are scored in 1-row calls
+    only; a pass of more rows than rows_apart_upto is refused, never batched."""
     target, _ = tiny_pair
     model = load_model(target, "float32").model
     model.allocate_cache(64)
     rows = torch.arange(3)
     key_slots = rows[:, None] * 8 + torch.arange(8)[None]  # [3, 8]
     mask = torch.ones(3, 8, dtype=torch.bool)
-    with pytest.raises(AssertionError, match="per-row attention"):
-        model.hidden_states(rows + 1, rows, rows * 8, mask, key_slots)
-    continue_in_batches(model, [[5, 6], [7, 8, 9]], 12)
-    assert not any(layer.attn.rows_share_calls for layer in model.layers)  # restored
     with torch.inference_mode(), pytest.raises(AssertionError, match="per-row attention"):
         model.hidden_states(rows + 1, rows, rows * 8, mask, key_slots)
 

@@ -6,14 +6,15 @@ not acceptance on completion prompts). Here every prompt is one function's signa
 docstring from the standard library (`docstring_prompts`), the kind of prompt a completion
 user gives, and the target continues it greedily to `seq_len` tokens.
 
-The continuation is decoded in packed batches (`continue_in_batches`): the rows of many
-sequences share one pass of the single-sequence model, each sequence in its own region of
-cache slots (sequence b's token at position p is written to slot b * T + p) and each row
-attending only to its own region (`key_slots`, scored by batched matmuls: transformer.py's
-`rows_attention`). A pass streams the weights once however many rows it holds: on the 1.5B
-bf16 target on a 2-core CPU the layers of a pass of 32 / 48 / 64 rows took 0.38 / 0.49 /
-0.65 s (session 13; 0.66 s for 32 rows with one SDPA call a row) against 0.22 s for one
-row. The features come out of the same passes, so there is no second run over the text.
+The continuation is decoded in batches (`continue_in_batches`): the sequences of a batch
+run in lockstep, one row each in every pass of the single-sequence model, each sequence in
+its own region of cache slots (sequence b's token at position p is written to slot
+b * T + p) and each row attending only to its own region (`regions`, one batched SDPA call
+over views of the cache). A pass streams the weights once however many rows it holds: on
+the 1.5B bf16 target on a 2-core AMX CPU a batch of 48 sequences of 256 tokens wrote
+~125 tokens/s, 192 wrote 271 tokens/s and 320 wrote 292 (session 16; the earlier packing,
+which gathered each row's keys, wrote ~70 tokens/s at 48 rows on an AVX512-BF16 CPU). The
+features come out of the same passes, so there is no second run over the text.
 
 A second kind of prompt (`opener_prompts`) reaches the languages the standard library has
 none of: a few characters that open a source file in JavaScript, C, Go, Rust, SQL, ...
@@ -140,21 +141,18 @@ def opener_prompts(tokenizer: Any, limit: int) -> list[list[int]]:
 
 
 def choose_next(
-    logits: torch.Tensor,  # [r, V] the target's logits after position p of each row
-    positions: torch.Tensor,  # [r] p
-    sample_to: torch.Tensor | None,  # [r] the token at t is sampled while t < this
+    logits: torch.Tensor,  # [B, V] the target's logits after position p of each row
+    sampled: torch.Tensor,  # [B] bool: the row's token at p + 1 is drawn, not the argmax
     temperature: float,
     generator: torch.Generator | None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(argmax [r], the token each row writes at p + 1 [r]): the argmax, or a sample of
-    softmax(logits / temperature) for rows whose position p + 1 is still to be sampled."""
-    top = logits.argmax(-1).cpu()  # [r]
+    """(argmax [B], the token each row writes at p + 1 [B]): the argmax, or for the `sampled`
+    rows a draw from softmax(logits / temperature)."""
+    top = logits.argmax(-1).cpu()  # [B]
     pick = top.clone()
-    if sample_to is not None:
-        sampled = positions + 1 < sample_to  # [r]
-        if sampled.any():
-            probs = torch.softmax(logits[sampled.to(logits.device)].float() / temperature, -1)
-            pick[sampled] = torch.multinomial(probs.cpu(), 1, generator=generator).squeeze(-1)
+    if sampled.any():
+        probs = torch.softmax(logits[sampled.to(logits.device)].float() / temperature, -1)
+        pick[sampled] = torch.multinomial(probs.cpu(), 1, generator=generator).squeeze(-1)
     return top, pick
 
 
@@ -167,9 +165,15 @@ def continue_in_batches(
     temperature: float = OPENER_TEMPERATURE,
     generator: torch.Generator | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Continue every prompt greedily to `seq_len` tokens, all in one packed batch; with
+    """Continue every prompt greedily to `seq_len` tokens, all in one batch; with
     `sample_to`, sequence b's tokens at positions < sample_to[b] past its prompt are sampled
     (at `temperature`, from `generator`) and only the rest is greedy.
+
+    The sequences run in lockstep: pass p feeds every sequence's token at position p (its
+    prompt's, or the one it wrote) as one row, so all rows share a position and sequence b's
+    keys fill slots b * T .. b * T + p of the cache (`regions`: each row attends to its own
+    region, batched by SDPA with no gather). A prompt is read one token a pass like the text
+    written after it; the passes cost the same either way and the batch needs no padding.
 
     Returns tokens [B, T] int64, features [B, T, hidden] float32, argmax [B, T] int64
     (B = len(prompts), T = seq_len), as head/features.py's `target_features` would give
@@ -177,64 +181,31 @@ def continue_in_batches(
     batch, T = len(prompts), seq_len
     assert all(0 < len(p) < T for p in prompts), "each prompt must be shorter than seq_len"
     assert sample_to is None or len(sample_to) == batch
-    until = None if sample_to is None else torch.tensor(sample_to)  # [B]
     device = model.device
     model.allocate_cache(batch * T)
     tokens = torch.zeros(batch, T, dtype=torch.long)
+    for b, prompt in enumerate(prompts):
+        tokens[b, : len(prompt)] = torch.tensor(prompt)
     features = torch.zeros(batch, T, model.cfg.hidden_size)
     argmax = torch.zeros(batch, T, dtype=torch.long)
-    # prefill: every prompt's rows in one pass, each row seeing its own prompt's past
-    rows = [(b, p) for b, prompt in enumerate(prompts) for p in range(len(prompt))]
-    seq = torch.tensor([b for b, _ in rows])  # [R]
-    pos = torch.tensor([p for _, p in rows])  # [R]
-    slot = seq * T + pos  # [R]
-    keys = torch.arange(batch * T)  # [B*T]
-    mask = (keys[None] // T == seq[:, None]) & (keys[None] % T <= pos[:, None])  # [R, B*T]
-    ids = torch.tensor([t for prompt in prompts for t in prompt])  # [R]
-    hidden = model.hidden_states(ids.to(device), pos.to(device), slot.to(device), mask.to(device))
-    tokens[seq, pos] = ids
-    features[seq, pos] = hidden.float().cpu()
-    last_rows = torch.tensor([len(p) for p in prompts]).cumsum(0) - 1  # [B] each prompt's last
-    logits = model.lm_head(hidden)  # [R, V]
-    argmax[seq, pos] = logits.argmax(-1).cpu()
-    upto = None if until is None else until[seq[last_rows]]
-    _, following = choose_next(  # [B] the token each sequence writes next
-        logits[last_rows.to(device)], pos[last_rows], upto, temperature, generator
-    )
-    del logits
-    # decode: one row per unfinished sequence, attending to its own region of slots, all
-    # rows in batched matmuls (rows_attention; a 1-row SDPA call per row cost 1.7x a pass)
-    attns = [layer.attn for layer in model.layers]
-    saved = [(a.rows_apart_upto, a.rows_share_calls) for a in attns]
-    for a in attns:
-        a.rows_apart_upto, a.rows_share_calls = 0, True
-    try:
-        length = torch.tensor([len(p) for p in prompts])  # [B] tokens held so far
-        while True:
-            live = (length < T).nonzero().flatten()  # [r]
-            if live.numel() == 0:
-                break
-            p = length[live]  # [r] the position each live row writes
-            last = following[live]  # [r] the token chosen after position p - 1
-            tokens[live, p] = last
-            key_slots = live[:, None] * T + torch.arange(T)[None]  # [r, T]
-            row_mask = torch.arange(T)[None] <= p[:, None]  # [r, T]
-            hidden = model.hidden_states(
-                last.to(device),
-                p.to(device),
-                (live * T + p).to(device),
-                row_mask.to(device),
-                key_slots.to(device),
-            )
-            features[live, p] = hidden.float().cpu()
-            upto = None if until is None else until[live]
-            top, pick = choose_next(model.lm_head(hidden), p, upto, temperature, generator)
-            argmax[live, p] = top
-            following[live] = pick
-            length[live] += 1
-    finally:
-        for a, (apart, share) in zip(attns, saved, strict=True):
-            a.rows_apart_upto, a.rows_share_calls = apart, share
+    prompt_len = torch.tensor([len(p) for p in prompts])  # [B]
+    until = torch.zeros(batch, dtype=torch.long) if sample_to is None else torch.tensor(sample_to)
+    slot_base = torch.arange(batch) * T  # [B] the first slot of each sequence's region
+    for p in range(T):
+        hidden = model.hidden_states(  # [B, hidden]
+            tokens[:, p].to(device),
+            torch.full((batch,), p, device=device),
+            (slot_base + p).to(device),
+            torch.ones(batch, p + 1, dtype=torch.bool, device=device),  # [B, p + 1]
+            regions=T,
+        )
+        features[:, p] = hidden.float().cpu()
+        writes = (prompt_len <= p + 1) & (p + 1 < T)  # [B] rows past their prompt
+        sampled = writes & (p + 1 < until)  # [B]
+        top, pick = choose_next(model.lm_head(hidden), sampled, temperature, generator)
+        argmax[:, p] = top
+        if p + 1 < T:
+            tokens[writes, p + 1] = pick[writes]
     return tokens, features, argmax
 
 
@@ -244,7 +215,7 @@ def extract_self_text(
     seq_len: int,
     folder: Path,
     progress: bool = True,
-    shards_per_pass: int = 3,
+    shards_per_pass: int = 16,
     sampled: int = 0,
     temperature: float = OPENER_TEMPERATURE,
     seed: int = 0,
@@ -256,8 +227,8 @@ def extract_self_text(
     a pass seeded by `seed` and its first shard), the rest greedy (opener_prompts).
 
     Packs the target's linears for passes of that many rows, in place (models/packed.py).
-    3 shards (48 rows) a pass: per token, 48 rows cost 12% less than 32 and 64 rows 1% less
-    than 48 (the 1.5B bf16 target on a 2-core CPU, session 13)."""
+    16 shards (256 sequences) a batch: see the module docstring for what the batch size buys;
+    the cache then holds 256 x T slots a layer (1.9 GB for the 1.5B target at T = 256)."""
     folder.mkdir(parents=True, exist_ok=True)
     per_pass = SHARD * shards_per_pass
     if can_pack(model.device, model.dtype):

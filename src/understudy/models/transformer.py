@@ -66,22 +66,12 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
 
 
-def rows_attention(
-    q: torch.Tensor,  # [H, R, D]
-    keys: torch.Tensor,  # [R, Hkv, L, D]: each row its own keys
-    values: torch.Tensor,  # [R, Hkv, L, D]
-    mask: torch.Tensor,  # [R, L] bool
-) -> torch.Tensor:
-    """Each query row over its own L keys, all rows in batched matmuls -> [R, H, D]. A query
-    head reads kv head h // (H / Hkv), as in SDPA's enable_gqa. For batch work (the target
-    writing training text): a row's result may depend on the batch's shape."""
-    heads, rows, dim = q.shape
-    kv_heads = keys.shape[1]
-    q = q.transpose(0, 1).reshape(rows, kv_heads, heads // kv_heads, dim)  # [R, Hkv, g, D]
-    scores = (q @ keys.transpose(-1, -2)).float() * dim**-0.5  # [R, Hkv, g, L]
-    scores = scores.masked_fill(~mask[:, None, None], float("-inf"))
-    weights = torch.softmax(scores, dim=-1).to(values.dtype)  # [R, Hkv, g, L]
-    return (weights @ values).reshape(rows, heads, dim)  # [R, H, D]
+def region_view(cache: torch.Tensor, rows: int, region: int, length: int) -> torch.Tensor:
+    """cache [Hkv, S, D] seen as each row's own region: [R, Hkv, L, D], row r's slots
+    r * region .. r * region + L - 1 (a view, no copy; needs R * region <= S, L <= region)."""
+    kv_heads, _, dim = cache.shape
+    assert length <= region and rows * region <= cache.shape[1]
+    return cache[:, : rows * region].view(kv_heads, rows, region, dim)[:, :, :length].transpose(0, 1)
 
 
 class Attention(nn.Module):
@@ -99,10 +89,6 @@ class Attention(nn.Module):
         # on an AVX-512 EPYC; a loop of 1-row calls costs what one batched call does there).
         # 0 = off. Longer passes (a prompt's chunks) stay batched.
         self.rows_apart_upto = 0
-        # batch work only (the target writing training text, head/self_text.py): rows with
-        # their own keys past rows_apart_upto are scored together by `rows_attention`, which
-        # is not row-invariant; off, such a pass is refused, so verification never gets it
-        self.rows_share_calls = False
 
     def forward(
         self,
@@ -115,11 +101,13 @@ class Attention(nn.Module):
         v_cache: torch.Tensor,  # [kv_heads, S, head_dim]
         key_slots: torch.Tensor | None = None,  # [R, L]
         split: SplitKeys | None = None,
+        regions: int | None = None,
     ) -> torch.Tensor:
         """Attention of rows x over the cache after writing their keys/values to `slots`:
         one SDPA call under `mask`; with `key_slots`, each row over its own gathered keys
-        (a 1-row SDPA call each up to rows_apart_upto rows, else `rows_attention`); with
-        `split` (padded decode passes), split_attention, exact for tree nodes."""
+        in a 1-row SDPA call (at most rows_apart_upto rows); with `split` (padded decode
+        passes), split_attention, exact for tree nodes; with `regions` (batch work), row r
+        over its own region of the cache, slots r * regions + j for j < L, under mask[r]."""
         cfg = self.cfg
         rows = x.shape[0]
         q, k, v = self.wqkv(x).split(self.split, dim=-1)
@@ -136,14 +124,19 @@ class Attention(nn.Module):
             return self.wo(out.reshape(rows, -1))
         length = mask.shape[-1]
         gqa = cfg.num_heads != cfg.num_kv_heads
+        if regions is not None:  # rows as SDPA's batch, each over its own region: no gather
+            keys = region_view(k_cache, rows, regions, length)  # [R, Hkv, L, D]
+            values = region_view(v_cache, rows, regions, length)
+            out = F.scaled_dot_product_attention(
+                q.transpose(0, 1)[:, :, None], keys, values, attn_mask=mask[:, None, None],
+                enable_gqa=gqa,
+            )  # [R, H, 1, D]  # fmt: skip
+            return self.wo(out.reshape(rows, -1))
         keys, values = k_cache[None, :, :length], v_cache[None, :, :length]  # [1, Hkv, L, D]
         if key_slots is not None:  # each row its own keys, gathered in the order given
+            assert rows <= self.rows_apart_upto, "key_slots needs per-row attention"
             keys = k_cache[:, key_slots].transpose(0, 1)  # [R, Hkv, L, D]
             values = v_cache[:, key_slots].transpose(0, 1)  # [R, Hkv, L, D]
-            if rows > self.rows_apart_upto:  # batched, rows as the batch (not row-invariant)
-                assert self.rows_share_calls, "key_slots needs per-row attention"
-                out = rows_attention(q, keys, values, mask)  # [R, H, D]
-                return self.wo(out.reshape(rows, -1))
         if rows <= self.rows_apart_upto:  # each query row its own call, the shape of a 1-row pass
             per_row = keys.shape[0] > 1
             out = torch.cat(
@@ -238,13 +231,18 @@ class Transformer(nn.Module):
         mask: torch.Tensor,  # [R, L]
         key_slots: torch.Tensor | None = None,  # [R, L]
         split: SplitKeys | None = None,
+        regions: int | None = None,
     ) -> torch.Tensor:
-        """Run the layers; write the rows' keys/values into `slots`. Returns [R, hidden]."""
+        """Run the layers; write the rows' keys/values into `slots`. Returns [R, hidden].
+        `regions` (batch work, head/self_text.py): row r attends to its own region of the
+        cache only, slots r * regions .. r * regions + L - 1 under mask [R, L]."""
         x = self.embed(tokens)
         cos, sin = self.rotary(positions)
         for layer, k_cache, v_cache in zip(self.layers, self.k_cache, self.v_cache, strict=True):
             attn_in = layer.attn_norm(x)
-            x = x + layer.attn(attn_in, cos, sin, slots, mask, k_cache, v_cache, key_slots, split)
+            x = x + layer.attn(
+                attn_in, cos, sin, slots, mask, k_cache, v_cache, key_slots, split, regions
+            )
             x = x + layer.mlp(layer.mlp_norm(x))
         return self.norm(x)
 
