@@ -71,7 +71,9 @@ def region_view(cache: torch.Tensor, rows: int, region: int, length: int) -> tor
     r * region .. r * region + L - 1 (a view, no copy; needs R * region <= S, L <= region)."""
     kv_heads, _, dim = cache.shape
     assert length <= region and rows * region <= cache.shape[1]
-    return cache[:, : rows * region].view(kv_heads, rows, region, dim)[:, :, :length].transpose(0, 1)
+    return (
+        cache[:, : rows * region].view(kv_heads, rows, region, dim)[:, :, :length].transpose(0, 1)
+    )
 
 
 class Attention(nn.Module):
