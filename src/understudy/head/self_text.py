@@ -10,11 +10,13 @@ The continuation is decoded in batches (`continue_in_batches`): the sequences of
 run in lockstep, one row each in every pass of the single-sequence model, each sequence in
 its own region of cache slots (sequence b's token at position p is written to slot
 b * T + p) and each row attending only to its own region (`regions`, one batched SDPA call
-over views of the cache). A pass streams the weights once however many rows it holds: on
-the 1.5B bf16 target on a 2-core AMX CPU a batch of 48 sequences of 256 tokens wrote
-~125 tokens/s, 192 wrote 271 tokens/s and 320 wrote 292 (session 16; the earlier packing,
-which gathered each row's keys, wrote ~70 tokens/s at 48 rows on an AVX512-BF16 CPU). The
-features come out of the same passes, so there is no second run over the text.
+over views of the cache). A pass streams the weights once however many rows it holds.
+Measured on the 1.5B bf16 target on a 2-core AMX CPU (session 16), 256-token sequences:
+192 a batch wrote 271 tokens/s and 320 wrote 292 (random prompts of 20-120 tokens); the
+default 256 wrote 316 tokens/s from docstring prompts and 281 from openers (which sample
+their first tokens). The earlier packing, which gathered each row's keys, wrote 107
+tokens/s at its 48 a batch on the same machine. The features come out of the same passes,
+so there is no second run over the text.
 
 A second kind of prompt (`opener_prompts`) reaches the languages the standard library has
 none of: a few characters that open a source file in JavaScript, C, Go, Rust, SQL, ...
