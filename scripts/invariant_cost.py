@@ -24,7 +24,7 @@ from collections.abc import Callable
 import torch
 
 from understudy.bench.hf_peer import hf_model
-from understudy.factory import install_row_invariant_kernels, prepare_target_kernels
+from understudy.engine.builder import install_row_invariant_kernels, prepare_target_kernels
 from understudy.models.loader import load_model
 from understudy.models.registry import DEFAULT_TARGET
 from understudy.models.runner import Runner

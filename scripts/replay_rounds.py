@@ -32,18 +32,18 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from understudy.adaptive import AdaptiveK
 from understudy.bench.prompts import load_prompts
 from understudy.config import SamplingParams
 from understudy.drafters.calibration import AcceptanceCalibration
 from understudy.drafters.draft_model import AUTO_PATH_CONFIDENCE
 from understudy.drafters.ngram import NgramProposer
 from understudy.drafters.suffix import SuffixProposer
-from understudy.factory import resolve_draft_quantization
+from understudy.engine.builder import resolve_draft_quantization
 from understudy.models.loader import LoadedModel, load_model
 from understudy.models.quant import load_or_quantize
 from understudy.models.registry import DEFAULT_DRAFT
 from understudy.models.runner import Runner
+from understudy.policy.adaptive_k import AdaptiveK
 
 VERIFY_BASE, VERIFY_ROW, DRAFT_TOKEN = 1.07, 0.021, 0.15
 ENGINE_C, ENGINE_V = 0.12, 0.035  # what automatic K is told at engine build (measured there)

@@ -27,7 +27,7 @@ def free_port() -> int:
 
 
 class ServerProcess:
-    """`python -m understudy.cli_serve ...` as a child process."""
+    """`python -m understudy.cli.serve ...` as a child process."""
 
     def __init__(self, args: list[str], log_path: Path, startup_s: float = 180.0) -> None:
         self.port = free_port()
@@ -39,7 +39,7 @@ class ServerProcess:
             filter(None, [str(ROOT / "src"), env.get("PYTHONPATH")])
         )
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "understudy.cli_serve", *args, "--port", str(self.port)],
+            [sys.executable, "-m", "understudy.cli.serve", *args, "--port", str(self.port)],
             stdout=self._log,
             stderr=subprocess.STDOUT,
             env=env,

@@ -56,8 +56,8 @@ def resample_from_p_verify(draft_ids, draft_probs, target_probs, generator):
     return type as understudy.verify.verify_sampling."""
     import torch
 
-    from understudy.sampling import sample
-    from understudy.verify import Verdict
+    from understudy.verify.chain import Verdict
+    from understudy.verify.sampling import sample
 
     k = draft_ids.shape[0]
     for i in range(k):

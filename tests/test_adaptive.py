@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from understudy.adaptive import AdaptiveK
-from understudy.theory import optimal_k
+from understudy.policy.adaptive_k import AdaptiveK
+from understudy.policy.theory import optimal_k
 
 
 def feed(policy: AdaptiveK, alpha: float, rounds: int = 200) -> None:

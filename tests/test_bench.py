@@ -12,11 +12,11 @@ from typer.testing import CliRunner
 from understudy.bench.engines import parse_methods
 from understudy.bench.prompts import SHIPPED_SETS, load_prompt_file, load_prompts
 from understudy.bench.summary import implied_alpha
-from understudy.cli_bench import INTERRUPTED_EXIT_CODE, bench
+from understudy.cli.bench import INTERRUPTED_EXIT_CODE, bench
 from understudy.config import UnderstudyError
 from understudy.drafters import DRAFTERS
-from understudy.factory import DEFAULT_CPU_DRAFT_QUANTIZATION
-from understudy.theory import expected_tokens_per_round
+from understudy.engine.builder import DEFAULT_CPU_DRAFT_QUANTIZATION
+from understudy.policy.theory import expected_tokens_per_round
 
 TWO_PROMPTS = [
     {"id": "c1", "category": "completion", "prompt": "def add(a, b):"},

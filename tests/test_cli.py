@@ -11,7 +11,7 @@ import pytest
 
 def cli(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
     return subprocess.run(
-        [sys.executable, "-m", "understudy.cli", *args],
+        [sys.executable, "-m", "understudy.cli.main", *args],
         capture_output=True,
         text=True,
         timeout=timeout,

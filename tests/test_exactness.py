@@ -27,7 +27,7 @@ from understudy.kernels import rowgemm
 from understudy.kernels.rowgemm import RowInvariantLinear
 from understudy.models.packed import PackedLinear
 from understudy.models.runner import Runner
-from understudy.sampling import warp_probs
+from understudy.verify.sampling import warp_probs
 
 P_THRESHOLD = 1e-3
 needs_rowgemm = pytest.mark.skipif(not rowgemm.available(), reason="no C compiler here")
@@ -255,7 +255,7 @@ def test_speculative_sampling_matches_target_law(sampling_engine, warp):
 
 def test_wrong_verifier_fails_the_same_test(sampling_engine, monkeypatch):
     """Mutation check: resampling from p instead of the residual max(0, p - q) is detected."""
-    import understudy.engine as engine_module
+    import understudy.engine.engine as engine_module
     from stats_helpers import resample_from_p_verify
 
     monkeypatch.setattr(engine_module, "verify_sampling", resample_from_p_verify)

@@ -9,11 +9,11 @@ import torch
 from scipy.stats import chisquare
 
 from understudy import Engine, SamplingParams, UnderstudyError
-from understudy.adaptive import AdaptiveK
 from understudy.drafters import hybrid as hybrid_module
 from understudy.drafters.base import Proposal
 from understudy.drafters.hybrid import HybridProposer, LiveCostRatio, bucket, mixed_q
-from understudy.sampling import warp_probs
+from understudy.policy.adaptive_k import AdaptiveK
+from understudy.verify.sampling import warp_probs
 
 ALPHA = 1e-3
 

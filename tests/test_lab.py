@@ -13,7 +13,7 @@ import pytest
 
 from browser_setup import ARTIFACTS, launch, require_browser
 from server_helpers import serve_in_thread
-from understudy.engine import Engine
+from understudy.engine.engine import Engine
 
 pytestmark = pytest.mark.browser
 

@@ -17,7 +17,7 @@ from scipy.stats import chi2_contingency
 
 from understudy import Engine, SamplingParams, UnderstudyError
 from understudy.drafters.ngram import NgramIndex, NgramProposer
-from understudy.sampling import warp_probs
+from understudy.verify.sampling import warp_probs
 
 ALPHA = 1e-3
 
@@ -288,9 +288,9 @@ def test_sampling_matches_plain_distribution(sampling_setup):
 def test_wrong_verifier_fails_the_same_test(sampling_setup, monkeypatch):
     """Mutation check: at a rejected one-hot guess, drawing the correction from p itself
     instead of the residual p - q (i.e. not removing the rejected token) is detected."""
-    import understudy.engine as engine_module
-    from understudy.sampling import sample
-    from understudy.verify import Verdict, verify_sampling
+    import understudy.engine.engine as engine_module
+    from understudy.verify.chain import Verdict, verify_sampling
+    from understudy.verify.sampling import sample
 
     def forgets_the_residual(draft_ids, draft_probs, target_probs, generator):
         verdict = verify_sampling(draft_ids, draft_probs, target_probs, generator)
@@ -318,7 +318,7 @@ def test_homogeneity_helper():
 def test_cli_accepts_method_ngram(tiny_pair):
     target, _ = tiny_pair
     result = subprocess.run(
-        [sys.executable, "-m", "understudy.cli", "generate", "def add(a, b):", "--target",
+        [sys.executable, "-m", "understudy.cli.main", "generate", "def add(a, b):", "--target",
          target, "--method", "ngram", "--json", "--max-tokens", "8", "--dtype", "float32"],
         capture_output=True, text=True, timeout=300,
     )  # fmt: skip

@@ -221,7 +221,7 @@ def test_quantizing_twice(tiny_draft, tmp_path):
 def test_from_pretrained_quantizes_the_draft(tiny_pair, tmp_path, monkeypatch):
     """The factory's path: draft_quantization="auto" quantizes the draft on a CPU (the target
     never), caching the packing; None keeps it dense."""
-    from understudy.factory import DEFAULT_CPU_DRAFT_QUANTIZATION
+    from understudy.engine.builder import DEFAULT_CPU_DRAFT_QUANTIZATION
 
     monkeypatch.setenv("UNDERSTUDY_CACHE", str(tmp_path))
     target, draft = tiny_pair
@@ -331,7 +331,7 @@ def test_sampling_with_quantized_draft_has_target_law(int4_engine, plain_samples
 
 def test_wrong_verifier_fails_the_same_test(int4_engine, plain_samples, monkeypatch):
     """Mutation check (the test has power): resampling from p instead of the residual."""
-    import understudy.engine as engine_module
+    import understudy.engine.engine as engine_module
     from stats_helpers import resample_from_p_verify
 
     monkeypatch.setattr(engine_module, "verify_sampling", resample_from_p_verify)

@@ -15,7 +15,7 @@ import torch
 
 from stats_helpers import ALPHA, chisquare_pvalue
 from understudy.config import SamplingParams
-from understudy.sampling import make_generator, sample, warp_probs
+from understudy.verify.sampling import make_generator, sample, warp_probs
 
 BINARY = [0.5, 0.25, 0.125, 0.125]  # exact in float32
 PERM = [2, 0, 3, 1]  # a vocabulary order that is not sorted by probability

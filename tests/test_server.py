@@ -19,7 +19,7 @@ import openai
 import pytest
 
 from server_helpers import ServerProcess, SlowEngine, serve_in_thread
-from understudy.engine import Engine
+from understudy.engine.engine import Engine
 
 K = "2"  # fp32 CPU target passes hold 3 rows by default: K=2 keeps greedy output exact
 
@@ -285,7 +285,7 @@ def test_lab_page_and_api(server):
     for act in ("Act 1", "Act 2", "Act 3", "The race", "Check yourself"):
         assert act in html
 
-    from understudy.theory import simulate_report
+    from understudy.policy.theory import simulate_report
 
     theory = httpx.get(server.url + "/lab/api/theory", params={"alpha": 0.7, "c": 0.2, "k": 3})
     expected = simulate_report(0.7, 0.2, 3, rounds=theory.json()["monte_carlo"]["rounds"])

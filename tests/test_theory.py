@@ -13,9 +13,9 @@ import pytest
 import typer
 from typer.testing import CliRunner
 
-from understudy.cli_simulate import simulate, sparkline
+from understudy.cli.simulate import simulate, sparkline
 from understudy.config import UnderstudyError
-from understudy.theory import (
+from understudy.policy.theory import (
     expected_acceptance_rate,
     expected_speedup,
     expected_tokens_per_round,
@@ -277,7 +277,7 @@ def test_cli_bad_input_is_one_line_exit_2(args: list[str]) -> None:
 
 def test_module_json_stdout_is_exactly_one_object() -> None:
     proc = subprocess.run(
-        [sys.executable, "-m", "understudy.cli_simulate", "--alpha", "0.8", "--c", "0.1", "--json"],
+        [sys.executable, "-m", "understudy.cli.simulate", "--alpha", "0.8", "--c", "0.1", "--json"],
         capture_output=True,
         text=True,
         env=_subprocess_env(),
@@ -292,7 +292,7 @@ def test_module_json_stdout_is_exactly_one_object() -> None:
 
 def test_module_bad_input_exit_2() -> None:
     proc = subprocess.run(
-        [sys.executable, "-m", "understudy.cli_simulate", "--alpha", "2", "--c", "0.1"],
+        [sys.executable, "-m", "understudy.cli.simulate", "--alpha", "2", "--c", "0.1"],
         capture_output=True,
         text=True,
         env=_subprocess_env(),
@@ -305,7 +305,7 @@ def test_module_bad_input_exit_2() -> None:
 
 def test_importing_theory_and_cli_does_not_import_torch() -> None:
     code = (
-        "import sys, understudy.theory, understudy.cli_simulate; "
+        "import sys, understudy.policy.theory, understudy.cli.simulate; "
         "print('torch' in sys.modules, 'transformers' in sys.modules)"
     )
     proc = subprocess.run(

@@ -1,4 +1,4 @@
-"""Token trees (understudy.tree), tree passes (Runner.tree_pass / keep_path), tree verification
+"""Token trees (understudy.verify.token_tree), tree passes (Runner.tree_pass / keep_path), tree verification
 (verify_tree.py) and dynamic draft trees (DraftModelProposer.propose_tree), on tiny models:
 
 a. the layout of a small tree, by hand;
@@ -21,8 +21,8 @@ from test_exactness import P_THRESHOLD, WARPS, goodness_of_fit, needs_rowgemm, r
 from understudy import Engine, SamplingParams
 from understudy.config import UnderstudyError
 from understudy.models.runner import Runner
-from understudy.tree import TokenTree
-from understudy.verify_tree import TreeVerdict, verify_tree_greedy, verify_tree_sampling
+from understudy.verify.token_tree import TokenTree
+from understudy.verify.tree import TreeVerdict, verify_tree_greedy, verify_tree_sampling
 
 NON_DEFAULT_ROWS = "ignore:target passes hold"  # the exact=False warning of odd row budgets
 
@@ -358,7 +358,7 @@ def test_tree_sampling_matches_target_law(tree_sampling_engine, warp):
 
 def wrong_sibling_rule(tree, target_probs, generator):
     """The mutation below (not lossless): p is never renormalised over the rest."""
-    from understudy.sampling import sample
+    from understudy.verify.sampling import sample
 
     children, node, path = tree.children(), 0, []
     while True:
@@ -380,7 +380,7 @@ def wrong_sibling_rule(tree, target_probs, generator):
 def test_wrong_sibling_rule_fails_the_same_test(tree_sampling_engine, monkeypatch):
     """Mutation: accept each sibling with its ORIGINAL p(x), never removing the rejected ones
     from p (so sibling j is taken with prob prod(1 - p(x_l)) * p(x_j) < p(x_j))."""
-    import understudy.engine as engine_module
+    import understudy.engine.engine as engine_module
 
     monkeypatch.setattr(engine_module, "verify_tree_sampling", wrong_sibling_rule)
     params = SamplingParams(ignore_eos=True, **WARPS["top_k"])

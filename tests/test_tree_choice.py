@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from test_exactness import P_THRESHOLD, WARPS, goodness_of_fit, random_prompts
 from understudy import Engine, SamplingParams
-from understudy.tree_choice import TreeOrChain
+from understudy.policy.tree_choice import TreeOrChain
 
 
 def run_rounds(chooser: TreeOrChain, emitted: dict[bool, int], rounds: int) -> list[bool]:

@@ -26,8 +26,8 @@ import torch
 
 from stats_helpers import ALPHA, chisquare_pvalue
 from understudy.config import SamplingParams
-from understudy.sampling import warp_probs
-from understudy.verify import Verdict, verify_greedy, verify_sampling
+from understudy.verify.chain import Verdict, verify_greedy, verify_sampling
+from understudy.verify.sampling import warp_probs
 
 # --------------------------------------------------------------------------------------------
 # Greedy verification tables

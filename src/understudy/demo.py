@@ -11,7 +11,7 @@ from rich.console import Console
 from rich.table import Table
 
 from understudy.config import SamplingParams
-from understudy.engine import Engine
+from understudy.engine.engine import Engine
 
 PROMPT = (
     "def merge_sorted(a: list[int], b: list[int]) -> list[int]:\n"

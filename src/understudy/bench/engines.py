@@ -20,8 +20,7 @@ from dataclasses import dataclass, field
 
 from understudy.config import UnderstudyError, parse_num_speculative_tokens
 from understudy.drafters import DRAFTERS
-from understudy.engine import Engine
-from understudy.factory import (
+from understudy.engine.builder import (
     check_compatible,
     install_row_invariant_kernels,
     measure_engine_costs,
@@ -30,6 +29,7 @@ from understudy.factory import (
     resolve_draft_quantization,
     target_pass_shape,
 )
+from understudy.engine.engine import Engine
 from understudy.models.loader import LoadedModel, load_model
 from understudy.models.quant import load_or_quantize
 from understudy.models.registry import DEFAULT_DRAFT, DEFAULT_TARGET

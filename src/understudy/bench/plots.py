@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from understudy.bench.summary import ALL
-from understudy.theory import expected_speedup
+from understudy.policy.theory import expected_speedup
 
 
 def _pyplot() -> Any:

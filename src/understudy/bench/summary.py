@@ -24,7 +24,7 @@ from __future__ import annotations
 import statistics
 from typing import Any
 
-from understudy.theory import expected_speedup, expected_tokens_per_round
+from understudy.policy.theory import expected_speedup, expected_tokens_per_round
 
 ALL = "all"
 

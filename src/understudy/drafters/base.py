@@ -24,7 +24,7 @@ from understudy.config import SamplingParams
 class Proposal:
     draft_ids: torch.Tensor  # [k'] int64, k' <= k (may be 0: nothing worth guessing)
     draft_probs: torch.Tensor | None  # [k', vocab] float32 q, or None for q = one-hot
-    # A token tree (understudy.tree) instead of a chain: [k'] int64, draft i follows draft
+    # A token tree (understudy.verify.token_tree) instead of a chain: [k'] int64, draft i follows draft
     # parents[i] (-1 = the last committed token), parents[i] < i; a chain is parents[i] = i - 1.
     # Tree drafts are deterministic (draft_probs is None): siblings are verified one by one.
     parents: torch.Tensor | None = None

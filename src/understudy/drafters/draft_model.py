@@ -42,7 +42,7 @@ from understudy.drafters.ngram import positive_int, take_options
 from understudy.drafters.tree_search import BestFirstTree, tree_log_scores
 from understudy.models.loader import LoadedModel
 from understudy.models.runner import Runner
-from understudy.sampling import sample, warp_probs
+from understudy.verify.sampling import sample, warp_probs
 
 TREE_MODES = ("off", "on", "auto")
 # draft_path_confidence under automatic K. A guess is worth drafting while the chance that it

@@ -45,7 +45,7 @@ from understudy.models.eagle_head import CONFIG_FILE, EagleHead, load_head, read
 from understudy.models.fetch import cache_dir
 from understudy.models.loader import LoadedModel
 from understudy.models.quant import quantize_model
-from understudy.sampling import sample, warp_probs
+from understudy.verify.sampling import sample, warp_probs
 
 # head cache slots past the real pairs, for a tree's nodes (a round stops growing its tree
 # before they run out)

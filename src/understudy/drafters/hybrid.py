@@ -36,13 +36,13 @@ from typing import Protocol
 
 import torch
 
-from understudy.adaptive import AdaptiveK
 from understudy.config import SamplingParams, UnderstudyError
 from understudy.drafters.base import DRAFTERS, Proposal, register
 from understudy.drafters.draft_model import DraftModelProposer
 from understudy.drafters.ngram import take_options
 from understudy.models.loader import LoadedModel
 from understudy.models.runner import Runner
+from understudy.policy.adaptive_k import AdaptiveK
 
 FREE_METHODS = ("suffix", "ngram")
 FREE_PRIOR = (0.2, 0.4, 0.6, 0.75, 0.85)  # P(free guess accepted) by bucket: m 1, 2-3, 4-7, ...
@@ -79,7 +79,7 @@ def measure_cost_ratio(
 
     The target's KV cache is set aside and restored, so this never disturbs an engine built on
     the same model (factory.measure_cost_ratio measures the same way for method="draft")."""
-    from understudy.factory import target_pass_shape  # factory imports the drafters
+    from understudy.engine.builder import target_pass_shape  # factory imports the drafters
 
     model = target.model
     context = torch.arange(1, 33, device=model.device)

@@ -23,7 +23,7 @@ import torch
 
 from understudy.config import SamplingParams
 from understudy.drafters.base import Proposal
-from understudy.sampling import warp_probs
+from understudy.verify.sampling import warp_probs
 
 
 def tree_log_scores(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:

@@ -11,7 +11,7 @@ real nor on where the pass starts: verification is bitwise the same as decoding 
 at a time. (Measured: with a key window that grows with the pass, SDPA's key blocking changes
 once the window crosses a block boundary and rows differ in the last bits.)
 
-Trees (understudy.tree): `tree_pass` scores the nodes of a token tree in one pass, node i at
+Trees (understudy.verify.token_tree): `tree_pass` scores the nodes of a token tree in one pass, node i at
 slot base + i and position base + depth_i under an ancestor mask, and leaves `length`
 alone; `keep_path` then copies the accepted path's keys/values to the slots right after the
 prefix (Transformer.keep_slots) and sets `length`, so the cache again holds exactly the
@@ -114,7 +114,7 @@ class Runner:
         visible: torch.Tensor,  # [n, span] bool: which slots base + j (j < span) each sees
         base: int | None = None,
     ) -> torch.Tensor:
-        """Score tree nodes in one pass; return their logits [n, vocab] (understudy.tree).
+        """Score tree nodes in one pass; return their logits [n, vocab] (understudy.verify.token_tree).
 
         The tree's root sits at slot `base` (default `length`: the target scores the root in
         this pass). Node i is written to slot base + offsets[i] at position base + depths[i]

@@ -149,7 +149,7 @@ def lab_work(engines: _Engines, run: LabRun, params: SamplingParams) -> Callable
 
 def alpha_from_acceptance(rate: float, k: int) -> float:
     """The α whose expected accepted/drafted at K equals `rate` (bisection; monotone in α)."""
-    from understudy.theory import expected_acceptance_rate
+    from understudy.policy.theory import expected_acceptance_rate
 
     low, high = 0.0, 1.0
     for _ in range(60):
@@ -202,7 +202,7 @@ def add_lab_routes(
 
     @app.get("/lab/api/theory")
     async def lab_theory(alpha: float, c: float, k: int | None = None) -> dict[str, Any]:
-        from understudy.theory import simulate_report
+        from understudy.policy.theory import simulate_report
 
         try:
             return simulate_report(alpha, c, k, rounds=THEORY_ROUNDS)

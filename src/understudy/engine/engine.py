@@ -9,7 +9,7 @@ pass has the same shape (see models/runner.py); sampled output has the target's
 distribution (verify.py).
 
 Trees (methods "draft" and "eagle", option tree="on" | "auto"): the drafter proposes a token tree
-(understudy.tree) instead of a chain (tree="auto": in the rounds where trees have yielded more
+(understudy.verify.token_tree) instead of a chain (tree="auto": in the rounds where trees have yielded more
 tokens per modelled cost than chains over the engine's requests, tree_choice.py); the target
 scores all its nodes in one pass (`Runner.tree_pass`), verify_tree.py picks the accepted
 root-to-node path, and `Runner.keep_path` compacts that path's KV to the slots after the prefix, leaving the same
@@ -28,18 +28,18 @@ from dataclasses import dataclass
 
 import torch
 
-from understudy.adaptive import AdaptiveK
 from understudy.config import SamplingParams, UnderstudyError, parse_num_speculative_tokens
-from understudy.detokenize import IncrementalDetokenizer
 from understudy.drafters.base import EMPTY, Proposal, Proposer
+from understudy.engine.detokenize import IncrementalDetokenizer
+from understudy.engine.stats import GenerationStats, StatsRecorder
 from understudy.models.loader import LoadedModel
 from understudy.models.runner import Runner
-from understudy.sampling import make_generator, sample, warp_probs
-from understudy.stats import GenerationStats, StatsRecorder
-from understudy.tree import TokenTree
-from understudy.tree_choice import TreeOrChain
-from understudy.verify import Verdict, verify_greedy, verify_sampling
-from understudy.verify_tree import TreeVerdict, verify_tree_greedy, verify_tree_sampling
+from understudy.policy.adaptive_k import AdaptiveK
+from understudy.policy.tree_choice import TreeOrChain
+from understudy.verify.chain import Verdict, verify_greedy, verify_sampling
+from understudy.verify.sampling import make_generator, sample, warp_probs
+from understudy.verify.token_tree import TokenTree
+from understudy.verify.tree import TreeVerdict, verify_tree_greedy, verify_tree_sampling
 
 Prompt = str | list[int] | list[dict[str, str]]
 
@@ -150,7 +150,7 @@ class Engine:
         scheme of models/quant.py ("int8", "int4", "int4-g32", ...), for the draft model or
         method="eagle"'s head. The drafter never decides a token, so quantizing it cannot
         change the output, only the speed."""
-        from understudy.factory import build_engine
+        from understudy.engine.builder import build_engine
 
         return build_engine(
             target=target,

@@ -12,7 +12,7 @@ import torch
 
 from understudy.config import UnderstudyError
 from understudy.drafters import DRAFTERS
-from understudy.engine import Engine
+from understudy.engine.engine import Engine
 from understudy.kernels import rowgemm
 from understudy.models.loader import LoadedModel, cpu_has_native_bf16, load_model
 from understudy.models.packed import PACK_FROM_ROWS, can_pack, pack_linears
@@ -20,7 +20,7 @@ from understudy.models.quant import SCHEMES, load_or_quantize
 from understudy.models.registry import DEFAULT_DRAFT, DEFAULT_TARGET
 from understudy.models.runner import Runner
 from understudy.models.transformer import Transformer
-from understudy.tree import TokenTree
+from understudy.verify.token_tree import TokenTree
 
 METHODS = ("none", *DRAFTERS)
 

@@ -13,10 +13,10 @@ from typing import Annotated
 import typer
 from rich.console import Console
 
-from understudy.cli_bench import bench
-from understudy.cli_serve import serve
-from understudy.cli_simulate import simulate
-from understudy.cli_train_head import train_head_command
+from understudy.cli.bench import bench
+from understudy.cli.serve import serve
+from understudy.cli.simulate import simulate
+from understudy.cli.train_head import train_head_command
 
 app = typer.Typer(
     help="Lossless speculative decoding: a cheap drafter guesses, the target verifies.",
@@ -91,7 +91,7 @@ def generate(
     """Generate text, streaming tokens coloured by origin: accepted (green), corrected
     (yellow), bonus (cyan), target-only (plain)."""
     from understudy.config import SamplingParams, UnderstudyError
-    from understudy.engine import Engine
+    from understudy.engine.engine import Engine
 
     try:
         params = SamplingParams(

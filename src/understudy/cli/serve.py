@@ -1,6 +1,6 @@
 """`understudy serve`: the OpenAI-compatible server and the Lab, on one engine.
 
-    python -m understudy.cli_serve [--target T] [--draft D] [--method M] [-k K|auto]
+    python -m understudy.cli.serve [--target T] [--draft D] [--method M] [-k K|auto]
                                    [--host 127.0.0.1] [--port 8000] [--api-key KEY]
 
 Binds to 127.0.0.1 unless told otherwise. SIGTERM (or Ctrl-C) stops accepting connections,
@@ -78,7 +78,7 @@ def serve(
         return
 
     from understudy.config import UnderstudyError
-    from understudy.engine import Engine
+    from understudy.engine.engine import Engine
 
     err.print(f"loading {target or 'the default pair'} (method={method}, k={k}) ...")
     try:

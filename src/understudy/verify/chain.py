@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
-from understudy.sampling import sample
+from understudy.verify.sampling import sample
 
 
 @dataclass(frozen=True)

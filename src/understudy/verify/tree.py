@@ -1,6 +1,6 @@
 """Tree verification: which root-to-node path of a token tree does the target keep?
 
-The target scores every node of the tree in one pass (understudy.tree): target row i is its
+The target scores every node of the tree in one pass (understudy.verify.token_tree): target row i is its
 distribution p_i for the token after node i. The verifier walks from the root; at each node
 it either moves to one of the node's children (that child's token is accepted) or stops and
 emits one token of its own: the corrected token (the node had children, all rejected) or the
@@ -28,8 +28,8 @@ from dataclasses import dataclass
 
 import torch
 
-from understudy.sampling import sample
-from understudy.tree import TokenTree
+from understudy.verify.sampling import sample
+from understudy.verify.token_tree import TokenTree
 
 
 @dataclass(frozen=True)

@@ -2,9 +2,9 @@
 
 Prints the analytic expectations of Leviathan et al. 2023 ("Fast Inference from Transformers
 via Speculative Decoding", eq. 1 and Theorem 3.8) beside a Monte Carlo estimate, and the
-speedup-vs-K curve. See `understudy.theory`. This path must start fast: it never imports torch.
+speedup-vs-K curve. See `understudy.policy.theory`. This path must start fast: it never imports torch.
 
-    python -m understudy.cli_simulate --alpha 0.8 --c 0.1 [--k 4] [--json]
+    python -m understudy.cli.simulate --alpha 0.8 --c 0.1 [--k 4] [--json]
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from typing import Annotated, Any
 import typer
 
 from understudy.config import UnderstudyError
-from understudy.theory import simulate_report
+from understudy.policy.theory import simulate_report
 
 ERROR_EXIT_CODE = 2
 _CURVE_K = 16  # the text sparkline shows K = 1..16

@@ -1,0 +1,1 @@
+"""The `understudy` command line: generate, bench, serve, simulate, train-head."""

@@ -1,0 +1,3 @@
+from understudy.cli.main import main
+
+main()
