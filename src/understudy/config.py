@@ -7,13 +7,60 @@ generation_config. `seed=0` is a seed like any other.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 MAX_SPECULATIVE_TOKENS = 64
+MAX_LOGPROBS = 20  # alternatives per token, as vLLM's default limit
 
 
 class UnderstudyError(ValueError):
     """A user-facing error: its message is one clear line, shown without a traceback."""
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_real(value: object) -> bool:
+    """A finite int or float (not a bool)."""
+    return _is_int(value) or (isinstance(value, float) and math.isfinite(value))
+
+
+@dataclass(frozen=True)
+class StructuredSpec:
+    """Structured output: the generated text belongs to a language, given by exactly one of
+    `json_schema` (a JSON schema, dict or JSON text), `json_object` (any JSON object or
+    array), `regex`, `grammar` (EBNF in the GBNF dialect) or `choice` (one of the strings).
+    understudy.constraints.grammar compiles it; generation ends with EOS when it is complete."""
+
+    json_schema: dict | str | None = None
+    json_object: bool = False
+    regex: str | None = None
+    grammar: str | None = None
+    choice: tuple[str, ...] | None = None
+
+    def __post_init__(self) -> None:
+        given = [
+            name
+            for name, value in (
+                ("json_schema", self.json_schema),
+                ("json_object", self.json_object or None),
+                ("regex", self.regex),
+                ("grammar", self.grammar),
+                ("choice", self.choice),
+            )
+            if value is not None
+        ]
+        if len(given) != 1:
+            raise UnderstudyError(
+                "structured output takes exactly one of json_schema, json_object, regex, "
+                f"grammar or choice, got {', '.join(given) or 'none'}"
+            )
+        if self.choice is not None and (
+            not self.choice or any(not isinstance(c, str) or not c for c in self.choice)
+        ):
+            raise UnderstudyError("choice must be a non-empty list of non-empty strings")
 
 
 @dataclass
@@ -28,6 +75,17 @@ class SamplingParams:
     seed: int | None = None
     stop: list[str] = field(default_factory=list)  # generation ends after a stop string
     ignore_eos: bool = False
+    # log-probabilities of each generated token and of its `logprobs` most likely
+    # alternatives (0..20), from the target's raw logits (before processors and warping)
+    logprobs: int | None = None
+    presence_penalty: float = 0.0  # subtracted once from every token already generated
+    frequency_penalty: float = 0.0  # subtracted per occurrence among the generated tokens
+    repetition_penalty: float = 1.0  # > 0, 1 = off; tokens of prompt or output, vLLM's rule
+    logit_bias: dict[int, float] | None = None  # token id -> added to its logit (-100..100)
+    min_tokens: int = 0  # EOS and stop_token_ids are impossible before this many tokens
+    stop_token_ids: list[int] = field(default_factory=list)  # end generation like EOS
+    include_stop_str_in_output: bool = False  # keep the stop string that ended the text
+    structured: StructuredSpec | None = None  # the output follows a grammar
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -46,6 +104,43 @@ class SamplingParams:
             raise UnderstudyError(f"seed must be a non-negative integer or None, got {self.seed!r}")
         if any(not s for s in self.stop):
             raise UnderstudyError("stop strings must be non-empty")
+        self._check_processors()
+
+    def _check_processors(self) -> None:
+        """The fields that become logits processors (understudy.constraints)."""
+        if self.logprobs is not None and (
+            not _is_int(self.logprobs) or not 0 <= self.logprobs <= MAX_LOGPROBS
+        ):
+            raise UnderstudyError(
+                f"logprobs must be an integer in 0..{MAX_LOGPROBS} or None, got {self.logprobs!r}"
+            )
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            if not _is_real(value) or not -2.0 <= value <= 2.0:
+                raise UnderstudyError(f"{name} must be a number in [-2, 2], got {value!r}")
+        if not _is_real(self.repetition_penalty) or not 0.0 < self.repetition_penalty <= 1e6:
+            raise UnderstudyError(
+                f"repetition_penalty must be a number > 0 (1 = off), got {self.repetition_penalty!r}"
+            )
+        for token, bias in (self.logit_bias or {}).items():
+            if not _is_int(token) or token < 0:
+                raise UnderstudyError(f"logit_bias keys must be token ids >= 0, got {token!r}")
+            if not _is_real(bias) or not -100.0 <= bias <= 100.0:
+                raise UnderstudyError(f"logit_bias values must be in [-100, 100], got {bias!r}")
+        if not _is_int(self.min_tokens) or not 0 <= self.min_tokens <= self.max_tokens:
+            raise UnderstudyError(
+                f"min_tokens must be an integer in 0..max_tokens ({self.max_tokens}), "
+                f"got {self.min_tokens!r}"
+            )
+        if any(not _is_int(t) or t < 0 for t in self.stop_token_ids):
+            raise UnderstudyError(
+                f"stop_token_ids must be token ids >= 0, got {self.stop_token_ids!r}"
+            )
+        if self.structured is not None and self.ignore_eos:
+            raise UnderstudyError(
+                "structured output ends with EOS once its grammar is complete: "
+                "it cannot be combined with ignore_eos"
+            )
 
     @property
     def greedy(self) -> bool:
