@@ -399,12 +399,15 @@ class TokenStream:
 
 class _Emitter:
     """Emits tokens one by one and decides, exactly as plain decoding would, where text ends:
-    at an EOS token (kept in token_ids, not in text), after a stop string (cut from the
-    text), at max_tokens or at the end of the context."""
+    at an EOS token or one of stop_token_ids (kept in token_ids, not in text), after a stop
+    string (cut from the text, or kept with include_stop_str_in_output), at max_tokens or
+    at the end of the context."""
 
     def __init__(self, engine: Engine, params: SamplingParams, budget: int) -> None:
         self.eos = set() if params.ignore_eos else set(engine.target.eos_token_ids)
         self.stop = params.stop
+        self.stop_ids = set(params.stop_token_ids)
+        self.include_stop = params.include_stop_str_in_output
         self.budget = budget
         self.detok = IncrementalDetokenizer(engine.tokenizer)
         self.token_ids: list[int] = []
@@ -424,11 +427,12 @@ class _Emitter:
             if self.done:
                 return
             self.token_ids.append(token_id)
-            delta = self.detok.push(token_id)
+            stop_token = token_id in self.stop_ids
+            delta = "" if stop_token else self.detok.push(token_id)
             if self.stop and delta:
                 delta = self._cut_at_stop(delta)
             self.text += delta
-            if token_id in self.eos:
+            if token_id in self.eos or stop_token:
                 self.finish_reason = "stop"
             elif len(self.token_ids) >= self.budget and not self.done:
                 self.finish_reason = "length"
@@ -441,7 +445,10 @@ class _Emitter:
         if not hits:
             return delta
         self.finish_reason = "stop"
-        cut = window_start + min(hits)  # index in text + delta where the stop string starts
+        first = min(hits)
+        cut = window_start + first  # index in text + delta where the stop string starts
+        if self.include_stop:  # the earliest stop string, first of the list on a tie
+            cut += len(next(s for s in self.stop if window.find(s) == first))
         return (
             (self.text + delta)[len(self.text) : cut] if cut >= len(self.text) else self._trim(cut)
         )
