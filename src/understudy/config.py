@@ -12,6 +12,10 @@ from dataclasses import dataclass, field
 
 MAX_SPECULATIVE_TOKENS = 64
 MAX_LOGPROBS = 20  # alternatives per token, as vLLM's default limit
+# The smallest positive temperature: logits are divided by it in float32, and below the
+# smallest normal float32 number the divisor would round to 0 (a NaN, not a distribution).
+MIN_TEMPERATURE = 2.0**-126
+MAX_SEED = 2**64 - 1  # torch.Generator.manual_seed takes 64 bits
 
 
 class UnderstudyError(ValueError):
@@ -20,6 +24,16 @@ class UnderstudyError(ValueError):
 
 def _is_int(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
+
+
+def is_unicode_text(text: str) -> bool:
+    """True unless `text` holds a lone surrogate (JSON's "\\ud800" decodes to one): such a
+    string is no Unicode text, and no tokenizer can encode it."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 def _is_real(value: object) -> bool:
@@ -92,18 +106,27 @@ class SamplingParams:
             self.stop = [self.stop]
         if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
             raise UnderstudyError(f"max_tokens must be a positive integer, got {self.max_tokens!r}")
-        if self.temperature < 0:
-            raise UnderstudyError(f"temperature must be >= 0, got {self.temperature}")
+        if not _is_real(self.temperature) or self.temperature < 0:
+            raise UnderstudyError(f"temperature must be a number >= 0, got {self.temperature!r}")
+        if 0 < self.temperature < MIN_TEMPERATURE:
+            raise UnderstudyError(
+                f"temperature must be 0 (greedy) or at least {MIN_TEMPERATURE:.4g} (the smallest "
+                f"normal float32 number), got {self.temperature!r}"
+            )
         if not isinstance(self.top_k, int) or self.top_k < 0:
             raise UnderstudyError(f"top_k must be an integer >= 0 (0 = off), got {self.top_k!r}")
-        if not (0.0 < self.top_p <= 1.0):
-            raise UnderstudyError(f"top_p must be in (0, 1], got {self.top_p}")
-        if not (0.0 <= self.min_p <= 1.0):
-            raise UnderstudyError(f"min_p must be in [0, 1], got {self.min_p}")
-        if self.seed is not None and (not isinstance(self.seed, int) or self.seed < 0):
-            raise UnderstudyError(f"seed must be a non-negative integer or None, got {self.seed!r}")
-        if any(not s for s in self.stop):
+        if not _is_real(self.top_p) or not 0.0 < self.top_p <= 1.0:
+            raise UnderstudyError(f"top_p must be in (0, 1], got {self.top_p!r}")
+        if not _is_real(self.min_p) or not 0.0 <= self.min_p <= 1.0:
+            raise UnderstudyError(f"min_p must be in [0, 1], got {self.min_p!r}")
+        if self.seed is not None and (not _is_int(self.seed) or not 0 <= self.seed <= MAX_SEED):
+            raise UnderstudyError(
+                f"seed must be an integer in 0..2**64-1 or None, got {self.seed!r}"
+            )
+        if any(not isinstance(s, str) or not s for s in self.stop):
             raise UnderstudyError("stop strings must be non-empty")
+        if any(not is_unicode_text(s) for s in self.stop):
+            raise UnderstudyError("stop strings must be Unicode text, without lone surrogates")
         self._check_processors()
 
     def _check_processors(self) -> None:

@@ -21,7 +21,10 @@ def warp_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     logits = logits.float()
     if params.greedy:
         return torch.nn.functional.one_hot(logits.argmax(-1), logits.shape[-1]).float()
-    logits = logits / params.temperature
+    # softmax(l / T) = softmax((l - max l) / T): shifted first, the top logit is exactly 0 and
+    # every other one <= 0, so even a tiny T (down to 2**-126, SamplingParams' floor) gives
+    # -inf at worst, never inf - inf = NaN.
+    logits = (logits - logits.amax(-1, keepdim=True)) / params.temperature  # [n, vocab]
     vocab = logits.shape[-1]
     if 0 < params.top_k < vocab:
         kth = torch.topk(logits, params.top_k, dim=-1).values[..., -1:]  # [n, 1]
@@ -30,7 +33,9 @@ def warp_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     if params.top_p < 1.0:
         sorted_probs, order = torch.sort(probs, dim=-1, descending=True)
         mass_before = sorted_probs.cumsum(-1) - sorted_probs  # [n, vocab]
-        drop_sorted = mass_before >= params.top_p  # the top token always stays
+        drop_sorted = mass_before >= params.top_p  # [n, vocab]
+        # The most likely token always stays, even for a top_p that rounds to 0 in float32.
+        drop_sorted[..., 0] = False
         drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
         probs = probs.masked_fill(drop, 0.0)
         probs = probs / probs.sum(-1, keepdim=True)
