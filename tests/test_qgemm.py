@@ -1,0 +1,126 @@
+"""kernels/qgemm.c: products against gguf's reference dequantizers, and row invariance.
+
+Weights are random valid blocks (random bytes, finite float16 scales written where each
+format keeps them). References are float64 matmuls with gguf's own dequantized weights.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, dequantize
+
+from understudy.kernels import qgemm
+
+pytestmark = pytest.mark.skipif(not qgemm.available(), reason="qgemm cannot be built here")
+
+T = GGMLQuantizationType
+SCALE_OFFSETS = {T.Q4_K: (0, 2), T.Q6_K: (208,), T.Q8_0: (0,), T.Q5_0: (0,)}
+
+
+def random_blocks(kind: GGMLQuantizationType, rows: int, cols: int, seed: int) -> qgemm.GGUFTensor:
+    """[rows, cols] of random blocks of `kind`: random quant bytes, finite f16 scales."""
+    block, size = GGML_QUANT_SIZES[kind]
+    rng = np.random.default_rng(seed)
+    data = rng.integers(0, 256, size=(rows, cols // block, size), dtype=np.uint8)
+    for offset in SCALE_OFFSETS[kind]:
+        scales = (rng.standard_normal((rows, cols // block)) * 0.01).astype(np.float16)
+        data[:, :, offset : offset + 2] = scales.view(np.uint8).reshape(rows, cols // block, 2)
+    return qgemm.GGUFTensor(kind, data.reshape(rows, -1), rows, cols)
+
+
+def quantized_activations(x: np.ndarray, block: int) -> np.ndarray:
+    """What qgemm.c multiplies with: each row's blocks as int8 times their float scale."""
+    xb = x.astype(np.float32).reshape(x.shape[0], -1, block)
+    amax = np.abs(xb).max(-1, keepdims=True)
+    inv = np.where(amax > 0, np.float32(127) / np.where(amax > 0, amax, 1), 0).astype(np.float32)
+    q = np.clip(np.rint(xb * inv), -127, 127)
+    return (q * (amax / np.float32(127))).reshape(x.shape).astype(np.float64)
+
+
+CASES = [(T.Q4_K, 256), (T.Q6_K, 256), (T.Q8_0, 32), (T.Q5_0, 32)]
+
+
+@pytest.mark.parametrize(("kind", "block"), CASES, ids=[c[0].name for c in CASES])
+def test_product_matches_reference(kind: GGMLQuantizationType, block: int) -> None:
+    """Against W (gguf's dequantizer) in float64: with the activations as the kernel
+    quantizes them, within float32 rounding (1e-5 of the sum of |terms|); with the raw
+    activations, within the activation rounding's bound (half a step a value:
+    sum |w| * scale / 2)."""
+    cols, rows, m = 3 * block * (2 if block == 32 else 1), 40, 5
+    weight = random_blocks(kind, rows, cols, seed=1)
+    w = dequantize(weight.data, kind).astype(np.float64)  # [rows, cols]
+    x = np.random.default_rng(2).standard_normal((m, cols)).astype(np.float32)
+    bias = torch.randn(rows)
+    y = qgemm.QuantLinear([weight], bias)(torch.from_numpy(x)).double().numpy()  # [m, rows]
+    xq = quantized_activations(x, block)
+    exact = xq @ w.T + bias.double().numpy()
+    scale = np.abs(xq) @ np.abs(w).T + 1e-30
+    assert np.all(np.abs(y - exact) <= 1e-5 * scale), np.abs(y - exact).max()
+    steps = np.abs(x).reshape(m, -1, block).max(-1) / 127  # [m, blocks]
+    bound = (np.repeat(steps, block, axis=1) / 2) @ np.abs(w).T
+    assert np.all(np.abs(y - (x.astype(np.float64) @ w.T + bias.double().numpy())) <= bound)
+    # the kernel really uses the weights: another block's bytes change the result
+    other = random_blocks(kind, rows, cols, seed=3)
+    assert not torch.equal(
+        qgemm.QuantLinear([other], bias)(torch.from_numpy(x)), torch.from_numpy(y).float()
+    )
+
+
+@pytest.mark.parametrize(("kind", "block"), CASES, ids=[c[0].name for c in CASES])
+def test_weight_rows_are_the_reference_dequantization(
+    kind: GGMLQuantizationType, block: int
+) -> None:
+    weight = random_blocks(kind, 24, 2 * 256, seed=4)
+    linear = qgemm.QuantLinear([weight], None)
+    index = torch.tensor([5, 0, 23, 5])
+    expected = torch.from_numpy(dequantize(weight.data[index.numpy()], kind))
+    assert torch.equal(linear.weight_rows(index), expected)
+
+
+def test_rows_are_bitwise_independent_of_call_size_and_threads() -> None:
+    """Every row of a call of 1..40 rows equals that row computed alone, bitwise, with 1 and
+    2 threads; parts of all four kernel types and one dequantized (F16) part."""
+    cols = 512
+    parts = [random_blocks(k, 24 + 8 * i, cols, seed=10 + i) for i, (k, _) in enumerate(CASES)]
+    f16 = np.random.default_rng(9).standard_normal((16, cols)).astype(np.float16)
+    parts.append(qgemm.GGUFTensor(T.F16, f16, 16, cols))
+    out = sum(p.rows for p in parts)
+    linear = qgemm.QuantLinear(parts, torch.randn(out))
+    x = torch.randn(40, cols) * torch.logspace(-3, 2, 40)[:, None]
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        alone = torch.cat([linear(x[i : i + 1]) for i in range(40)])  # [40, out]
+        for n_threads in (1, 2):
+            torch.set_num_threads(n_threads)
+            for m in (1, 2, 3, 7, 8, 9, 16, 31, 32, 33, 40):
+                assert torch.equal(linear(x[:m]), alone[:m]), (n_threads, m)
+            assert torch.equal(linear(x.flip(0)), alone.flip(0)), n_threads
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_scalar_fallback_gives_the_same_bits() -> None:
+    """The portable C path (compiled without AVX2) computes the same integers and float
+    steps as the vector path: same bits."""
+    scalar = qgemm.load(("-O2", "-march=x86-64", "-fopenmp", "-ffp-contract=off"))
+    if scalar is None or scalar.understudy_qgemm_simd() != 0:
+        pytest.skip("no portable x86-64 build here")
+    x = torch.randn(6, 512)
+    for kind, _ in CASES:
+        weight = random_blocks(kind, 16, 512, seed=20)
+        linear = qgemm.QuantLinear([weight], None)
+        vector = linear(x)
+        linear._fn = scalar.understudy_qgemm
+        assert torch.equal(linear(x), vector), kind.name
+
+
+def test_refuses_shapes_it_cannot_take() -> None:
+    weight = random_blocks(T.Q4_K, 8, 256, seed=5)
+    bad = qgemm.GGUFTensor(
+        T.Q4_K, np.ascontiguousarray(weight.data[:, :100]), 8, 256
+    )  # rows cut short
+    with pytest.raises(AssertionError, match="refused"):
+        qgemm.QuantLinear([bad], None)(torch.randn(1, 256))
