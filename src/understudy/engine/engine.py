@@ -28,7 +28,12 @@ from dataclasses import dataclass
 
 import torch
 
-from understudy.config import SamplingParams, UnderstudyError, parse_num_speculative_tokens
+from understudy.config import (
+    SamplingParams,
+    UnderstudyError,
+    is_unicode_text,
+    parse_num_speculative_tokens,
+)
 from understudy.drafters.base import EMPTY, Proposal, Proposer
 from understudy.engine.detokenize import IncrementalDetokenizer
 from understudy.engine.stats import GenerationStats, StatsRecorder
@@ -183,6 +188,8 @@ class Engine:
                 raise UnderstudyError("the prompt is empty")
             if self.tokenizer is None:
                 raise UnderstudyError("this model has no tokenizer: give the prompt as token ids")
+            if not is_unicode_text(prompt):
+                raise UnderstudyError("the prompt holds a lone surrogate: that is no Unicode text")
             ids = list(self.tokenizer(prompt)["input_ids"])
         elif isinstance(prompt, list) and prompt and all(isinstance(m, dict) for m in prompt):
             ids = self._apply_chat_template(prompt)
@@ -208,9 +215,18 @@ class Engine:
         for m in messages:
             if not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
                 raise UnderstudyError("each chat message needs a string 'role' and 'content'")
-        out = self.tokenizer.apply_chat_template(
-            messages, add_generation_prompt=True, tokenize=True
-        )
+            if not is_unicode_text(m["role"]) or not is_unicode_text(m["content"]):
+                raise UnderstudyError("a chat message holds a lone surrogate: no Unicode text")
+        from jinja2 import TemplateError  # transformers renders chat templates with jinja2
+
+        try:
+            out = self.tokenizer.apply_chat_template(
+                messages, add_generation_prompt=True, tokenize=True
+            )
+        except TemplateError as error:  # many templates raise on a role order they refuse
+            raise UnderstudyError(
+                f"the model's chat template refused the messages: {error}"
+            ) from None
         if hasattr(out, "keys") and "input_ids" in out:
             out = out["input_ids"]
         return list(out)
