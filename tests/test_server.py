@@ -169,7 +169,7 @@ def _error(call) -> openai.APIStatusError:
 def test_bad_requests_name_the_field(server, client):
     m = server.model
     cases = [
-        (dict(model=m, prompt="x", n=2), 400, "n"),
+        (dict(model=m, prompt="x", n=0), 400, "n"),
         (dict(model=m, prompt="x", top_p=2.0), 400, "top_p"),
         (dict(model=m, prompt="x", temperature=-1.0), 400, "temperature"),
         (dict(model=m, prompt="x", max_tokens=0), 400, "max_tokens"),
@@ -178,7 +178,7 @@ def test_bad_requests_name_the_field(server, client):
         (dict(model=m, prompt=list(range(100)) * 50), 400, "prompt"),  # > the 4096 context
         (dict(model=m, prompt="x", temperature="hot"), 422, "temperature"),
         (dict(model=m, prompt="x", max_tokens="5"), 422, "max_tokens"),
-        (dict(model=m, prompt="x", presence_penalty=0.5), 400, "presence_penalty"),
+        (dict(model=m, prompt="x", presence_penalty=2.5), 400, "presence_penalty"),
         (dict(model="gpt-4o", prompt="x"), 404, "model"),
     ]
     for kwargs, status, param in cases:

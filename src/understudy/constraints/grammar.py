@@ -8,10 +8,11 @@ back all it accepted, so the committed state is unchanged (base.py). A drafted t
 grammar refuses gets -inf at its row, so the verifier rejects it; the rows after it cannot be
 reached and keep the logits they came with.
 
-Once the grammar is complete, only the stop tokens (EOS, stop_token_ids) are allowed. When
-the processors before this one leave nothing the grammar allows (min_tokens asking for more
-tokens than a finished grammar holds), the grammar wins: its allowed tokens become equally
-likely, so a row is never without a token.
+JSON schemas generate compact JSON (no optional whitespace: small models otherwise tend to
+loop on it). Once the grammar is complete, only the stop tokens (EOS, stop_token_ids) are
+allowed. When the processors before this one leave nothing the grammar allows (min_tokens
+asking for more tokens than a finished grammar holds), the grammar wins: its allowed tokens
+become equally likely, so a row is never without a token.
 """
 
 from __future__ import annotations
@@ -59,7 +60,7 @@ def compile_spec(spec: StructuredSpec, tokenizer: Any, vocab_size: int) -> Any:
         if spec.json_schema is not None:
             schema = spec.json_schema
             text = schema if isinstance(schema, str) else json.dumps(schema)
-            return compiler.compile_json_schema(text, any_whitespace=True, strict_mode=True)
+            return compiler.compile_json_schema(text, any_whitespace=False, strict_mode=True)
         if spec.json_object:
             return compiler.compile_builtin_json_grammar()
         if spec.regex is not None:

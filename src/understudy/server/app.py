@@ -26,10 +26,12 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from understudy.config import SamplingParams
-from understudy.server.generation import StopHoldback, account, generation_work
+from understudy.server.choices import Assembly
+from understudy.server.generation import account, generation_work
 from understudy.server.guard import Guard
+from understudy.server.logprobs import TokenStrings
 from understudy.server.metrics import Metrics
+from understudy.server.prepare import Plan, plan_chat, plan_completion
 from understudy.server.protocol import (
     SSE_HEADERS,
     APIError,
@@ -64,6 +66,7 @@ def create_app(
     worker = Worker(max_queue)
     metrics = Metrics(name, str(engine.method))
     created = int(time.time())
+    strings = TokenStrings(engine.tokenizer)  # token ids -> strings and bytes, for logprobs
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -162,16 +165,11 @@ def create_app(
     app.state.submit = submit
 
     async def generate(
-        request: Request,
-        body: _SamplingRequest,
-        prompt: Any,
-        params: SamplingParams,
-        chat: bool,
+        request: Request, body: _SamplingRequest, plan: Plan, chat: bool
     ) -> Response:
         prompt_param = "messages" if chat else "prompt"
-        job = submit(
-            generation_work(engine, prompt, params, body.max_tokens is not None, prompt_param)
-        )
+        explicit = body.max_tokens is not None
+        job = submit(generation_work(engine, plan.render, plan.choices, explicit, prompt_param))
         events = job.stream(request.is_disconnected)
         streaming = False
         try:
@@ -182,104 +180,50 @@ def create_app(
                 raise as_api_error(first[1])
             prompt_tokens = first[1]["prompt_tokens"]
             response_id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
+            assembly = Assembly(plan.shape, len(plan.choices), strings, response_id, name)
             if body.stream:
                 streaming = True  # stream_chunks owns `events` from here on
                 return StreamingResponse(
-                    stream_chunks(events, job, body, params, chat, response_id, prompt_tokens),
+                    stream_chunks(events, job, body, assembly, prompt_tokens),
                     media_type="text/event-stream",
                     headers=SSE_HEADERS,
                 )
             ttft = None
             async for kind, payload in events:
-                if kind == "token" and ttft is None:
-                    ttft = time.perf_counter() - job.submitted_at
+                if kind == "token":
+                    if ttft is None:
+                        ttft = time.perf_counter() - job.submitted_at
+                    assembly.on_token(*payload)
+                elif kind == "choice":
+                    assembly.outputs.append(payload[1])
+                    account(metrics, job, payload[1], ttft)
                 elif kind == "error":
                     raise as_api_error(payload)
                 elif kind == "done":
-                    account(metrics, job, payload, ttft)
-                    return JSONResponse(full_response(payload, chat, response_id, prompt_tokens))
+                    return JSONResponse(assembly.whole(prompt_tokens))
             return Response(status_code=499)
         finally:
             if not streaming:
                 await events.aclose()
 
-    def usage(output: Any, prompt_tokens: int) -> dict[str, int]:
-        completion = len(output.token_ids)
-        return {
-            "prompt_tokens": prompt_tokens,
-            "completion_tokens": completion,
-            "total_tokens": prompt_tokens + completion,
-        }
-
-    def full_response(output: Any, chat: bool, response_id: str, prompt_tokens: int) -> dict:
-        stats = output.stats.to_dict()
-        choice: dict[str, Any] = {"index": 0, "logprobs": None}
-        if chat:
-            choice["message"] = {"role": "assistant", "content": output.text}
-        else:
-            choice["text"] = output.text
-        choice["finish_reason"] = stats["finish_reason"]
-        return {
-            "id": response_id,
-            "object": "chat.completion" if chat else "text_completion",
-            "created": int(time.time()),
-            "model": name,
-            "choices": [choice],
-            "usage": usage(output, prompt_tokens),
-            "metrics": {"speculative_decoding": stats},
-        }
-
     async def stream_chunks(
-        events: Any,
-        job: Job,
-        body: _SamplingRequest,
-        params: SamplingParams,
-        chat: bool,
-        response_id: str,
-        prompt_tokens: int,
+        events: Any, job: Job, body: _SamplingRequest, assembly: Assembly, prompt_tokens: int
     ) -> AsyncIterator[bytes]:
-        created_at = int(time.time())
-        holdback = StopHoldback(params.stop)
-
-        def chunk(text: str | None, finish_reason: str | None = None) -> dict[str, Any]:
-            choice: dict[str, Any] = {"index": 0, "logprobs": None}
-            if chat:
-                choice["delta"] = {} if text is None else {"content": text}
-            else:
-                choice["text"] = text or ""
-            choice["finish_reason"] = finish_reason
-            return {
-                "id": response_id,
-                "object": "chat.completion.chunk" if chat else "text_completion",
-                "created": created_at,
-                "model": name,
-                "choices": [choice],
-            }
-
         ttft = None
         try:
-            if chat:
-                first = chunk("")
-                first["choices"][0]["delta"] = {"role": "assistant", "content": ""}
-                yield sse(first)
             async for kind, payload in events:
                 if kind == "token":
                     if ttft is None:
                         ttft = time.perf_counter() - job.submitted_at
-                    text = holdback.push(payload.text)
-                    if text:
-                        yield sse(chunk(text))
+                    for chunk in assembly.on_token(*payload):
+                        yield sse(chunk)
+                elif kind == "choice":
+                    account(metrics, job, payload[1], ttft)
+                    for chunk in assembly.on_done(*payload, prompt_tokens):
+                        yield sse(chunk)
                 elif kind == "done":
-                    account(metrics, job, payload, ttft)
-                    last = chunk(holdback.finish(payload.text), payload.stats.finish_reason)
-                    last["usage"] = usage(payload, prompt_tokens)
-                    last["metrics"] = {"speculative_decoding": payload.stats.to_dict()}
-                    yield sse(last)
                     if body.include_usage_chunk:
-                        usage_chunk = chunk(None)
-                        usage_chunk["choices"] = []
-                        usage_chunk["usage"] = last["usage"]
-                        yield sse(usage_chunk)
+                        yield sse(assembly.usage_chunk(prompt_tokens))
                     yield sse("[DONE]")
                 elif kind == "error":
                     yield sse(as_api_error(payload).body())
@@ -292,16 +236,15 @@ def create_app(
     async def completions(body: CompletionRequest, request: Request) -> Response:
         body.check_supported()
         check_model(body.model)
-        prompt = body.engine_prompt()
-        params = body.sampling_params(COMPLETIONS_DEFAULT_MAX_TOKENS)
-        return await generate(request, body, prompt, params, chat=False)
+        plan = plan_completion(body, engine, COMPLETIONS_DEFAULT_MAX_TOKENS)
+        return await generate(request, body, plan, chat=False)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
         body.check_supported()
         check_model(body.model)
-        params = body.sampling_params(engine.max_context)  # default: until EOS or full context
-        return await generate(request, body, body.engine_prompt(), params, chat=True)
+        plan = plan_chat(body, engine, engine.max_context)  # default: until EOS or full context
+        return await generate(request, body, plan, chat=True)
 
     from understudy.server.lab import add_lab_routes
 

@@ -1,14 +1,17 @@
 """Running one request on the engine (worker thread) and turning its events into responses.
 
 `generation_work` is what the worker thread runs for /v1 requests: encode, check the budget,
-stream tokens, finish. `StopHoldback` keeps a streamed text consistent with the final one:
-text that might be the start of a stop string is held back until it is known not to be.
+then stream each choice's tokens, one choice after another (`choice_params`: choice i is
+seeded with seed + i when the request gives a seed, so n choices are n reproducible
+streams). `StopHoldback` keeps a streamed text consistent with the final one: text that
+might be the start of a stop string is held back until it is known not to be.
 """
 
 from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterable, Iterator
+from dataclasses import replace
 from typing import Any
 
 from understudy.config import SamplingParams, UnderstudyError
@@ -54,27 +57,50 @@ def until_cancelled(stream: Iterable[Any], job: Job) -> Iterator[Any]:
             close()
 
 
+def choice_params(params: SamplingParams, n: int) -> list[SamplingParams]:
+    """One SamplingParams per choice: seeds seed, seed + 1, ... (or all unseeded)."""
+    if params.seed is None:
+        return [params] * n
+    return [replace(params, seed=params.seed + i) for i in range(n)]
+
+
 def generation_work(
     engine: Any,
-    prompt: Any,
-    params: SamplingParams,
+    render: Callable[[], Any],
+    choices: list[SamplingParams],
     explicit_max_tokens: bool,
     prompt_param: str,
 ) -> Callable[[Job], None]:
-    """The worker-thread side of a /v1 request. Emits "start" ({"prompt_tokens"}), then a
-    "token" per TokenEvent, then "done" (the GenerationOutput) -- or "error"/"cancelled"."""
+    """The worker-thread side of a /v1 request with len(choices) choices. Emits "start"
+    ({"prompt_tokens", "prompt_ids"}); then for each choice i a "token" (i, TokenEvent) per
+    token and "choice" (i, GenerationOutput); then "done" (the outputs) -- or "error" /
+    "cancelled". `render` makes the prompt here, on the worker thread. An UnderstudyError
+    from the engine (a token id outside the vocabulary, a grammar that does not compile) is
+    the client's error: a 400 naming the field."""
 
     def work(job: Job) -> None:
         try:
-            ids = encode_for_budget(engine, prompt, params, explicit_max_tokens, prompt_param)
+            prompt = render()
+            ids = encode_for_budget(engine, prompt, choices[0], explicit_max_tokens, prompt_param)
         except APIError as error:
             job.emit("error", error)
             return
-        job.emit("start", {"prompt_tokens": len(ids)})
-        stream = engine.stream(ids, params)
-        for event in until_cancelled(stream, job):
-            job.emit("token", event)
-        job.emit("cancelled" if job.cancelled.is_set() else "done", stream.output)
+        job.emit("start", {"prompt_tokens": len(ids), "prompt_ids": ids})
+        outputs = []
+        for index, params in enumerate(choices):
+            try:
+                stream = engine.stream(ids, params)
+                for event in until_cancelled(stream, job):
+                    job.emit("token", (index, event))
+            except UnderstudyError as error:
+                job.emit("error", error_from_understudy(error))
+                return
+            if job.cancelled.is_set():
+                job.emit("cancelled", stream.output)
+                return
+            outputs.append(stream.output)
+            job.emit("choice", (index, stream.output))
+        job.emit("done", outputs)
 
     return work
 

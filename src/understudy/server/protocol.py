@@ -1,9 +1,13 @@
 """The OpenAI wire format: request bodies (validated strictly) and the errors we answer with.
 
 Requests follow OpenAI's `/v1/completions` and `/v1/chat/completions` schemas, plus vLLM's
-sampling extras `top_k`, `min_p` and `ignore_eos`. Fields the engine cannot honour
-(n > 1, logprobs, penalties, ...) are refused with a 400 that names the field instead of
-being silently ignored; fields we do not know at all are ignored, as vLLM does.
+sampling extras (`top_k`, `min_p`, `ignore_eos`, `repetition_penalty`, `min_tokens`,
+`stop_token_ids`, `include_stop_str_in_output`, `guided_json` / `guided_regex` /
+`guided_grammar` / `guided_choice`, `structured_outputs`). Every field is honoured with
+speculation on, or refused with a 400 that names it; fields we do not know at all are
+ignored, as vLLM does. `n` > 1 runs n generations one after another, choice i seeded with
+seed + i when a seed is given. Logprobs are the target's log-softmax of its raw logits
+(before penalties, bias, grammar and temperature: vLLM's default "raw_logprobs").
 
 Errors use OpenAI's envelope, so the official clients raise the right exception:
 
@@ -18,12 +22,35 @@ from typing import Any, Literal
 from fastapi.exceptions import RequestValidationError
 from pydantic import BaseModel, ConfigDict, Field
 
-from understudy.config import SamplingParams, UnderstudyError
+from understudy.config import SamplingParams, StructuredSpec, UnderstudyError
+from understudy.server.request_parts import (
+    NamedToolChoice,
+    ResponseFormat,
+    StructuredOutputs,
+    Tool,
+    ToolCallMessage,
+)
 
 # Strict: "5" is not an int and true is not a number; NaN and inf are not numbers either.
 _STRICT = ConfigDict(strict=True, allow_inf_nan=False, extra="ignore")
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
-_SAMPLING_FIELDS = ("max_tokens", "temperature", "top_k", "top_p", "min_p", "seed", "stop")
+_SAMPLING_FIELDS = (
+    "max_tokens",
+    "temperature",
+    "top_k",
+    "top_p",
+    "min_p",
+    "seed",
+    "stop",
+    "logprobs",
+    "presence_penalty",
+    "frequency_penalty",
+    "repetition_penalty",
+    "logit_bias",
+    "min_tokens",
+    "stop_token_ids",
+)
+MAX_N = 16  # choices a request may ask for; they run one after another
 
 
 class APIError(Exception):
@@ -129,24 +156,28 @@ class _SamplingRequest(BaseModel):
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
-    # Accepted so clients that always send them work; refused when they ask for something.
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
-    logit_bias: dict[str, float] | None = None
-    logprobs: Any = None
-    top_logprobs: int | None = None
+    repetition_penalty: float | None = None  # extra (vLLM); 1 = off
+    logit_bias: dict[str, float] | None = None  # token id (as a string) -> bias
+    min_tokens: int = 0  # extra (vLLM)
+    stop_token_ids: list[int] | None = None  # extra (vLLM)
+    include_stop_str_in_output: bool = False  # extra (vLLM)
+    response_format: ResponseFormat | None = None
+    guided_json: dict[str, Any] | str | None = None  # extra (vLLM)
+    guided_regex: str | None = None  # extra (vLLM)
+    guided_grammar: str | None = None  # extra (vLLM)
+    guided_choice: list[str] | None = None  # extra (vLLM)
+    structured_outputs: StructuredOutputs | None = None  # extra (vLLM)
+
+    def requested_logprobs(self) -> int | None:
+        """SamplingParams.logprobs: alternatives per token, or None for no logprobs."""
+        return None
 
     def check_supported(self) -> None:
         """Refuse what the engine cannot do, naming the field."""
-        if self.n != 1:
-            raise APIError(400, f"n must be 1 (one completion per request), got {self.n}", "n")
-        for name in ("presence_penalty", "frequency_penalty"):
-            if getattr(self, name) not in (None, 0, 0.0):
-                raise APIError(400, f"{name} is not supported (it would change the output)", name)
-        if self.logit_bias:
-            raise APIError(400, "logit_bias is not supported", "logit_bias")
-        if self.logprobs not in (None, False, 0) or self.top_logprobs:
-            raise APIError(400, "logprobs are not supported", "logprobs")
+        if not 1 <= self.n <= MAX_N:
+            raise APIError(400, f"n must be an integer in 1..{MAX_N}, got {self.n}", "n")
         if isinstance(self.stop, list) and len(self.stop) > 4:
             raise APIError(400, f"stop takes at most 4 strings, got {len(self.stop)}", "stop")
         if self.stream_options is not None and not self.stream:
@@ -154,9 +185,20 @@ class _SamplingRequest(BaseModel):
                 400, "stream_options is only allowed with stream: true", "stream_options"
             )
 
-    def sampling_params(self, default_max_tokens: int) -> SamplingParams:
-        """The engine's SamplingParams (OpenAI defaults: temperature 1, top_p 1)."""
+    def sampling_params(
+        self, default_max_tokens: int, structured: StructuredSpec | None = None
+    ) -> SamplingParams:
+        """The engine's SamplingParams (OpenAI defaults: temperature 1, top_p 1); the
+        structured output comes from `structured_spec` (server/structured.py)."""
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+        bias = None
+        if self.logit_bias:
+            try:
+                bias = {int(token): value for token, value in self.logit_bias.items()}
+            except ValueError:
+                raise APIError(
+                    400, "logit_bias keys must be token ids (strings of integers)", "logit_bias"
+                ) from None
         try:
             return SamplingParams(
                 max_tokens=self.max_tokens if self.max_tokens is not None else default_max_tokens,
@@ -167,6 +209,17 @@ class _SamplingRequest(BaseModel):
                 seed=self.seed,
                 stop=stop,
                 ignore_eos=self.ignore_eos,
+                logprobs=self.requested_logprobs(),
+                presence_penalty=self.presence_penalty or 0.0,
+                frequency_penalty=self.frequency_penalty or 0.0,
+                repetition_penalty=(
+                    1.0 if self.repetition_penalty is None else self.repetition_penalty
+                ),
+                logit_bias=bias,
+                min_tokens=self.min_tokens,
+                stop_token_ids=list(self.stop_token_ids or []),
+                include_stop_str_in_output=self.include_stop_str_in_output,
+                structured=structured,
             )
         except UnderstudyError as error:
             raise error_from_understudy(error) from None
@@ -183,11 +236,17 @@ class CompletionRequest(_SamplingRequest):
     echo: bool = False
     suffix: str | None = None
     best_of: int | None = None
+    logprobs: int | None = None  # alternatives per token, 0..20
+
+    def requested_logprobs(self) -> int | None:
+        return self.logprobs
 
     def check_supported(self) -> None:
         super().check_supported()
-        if self.echo:
-            raise APIError(400, "echo is not supported", "echo")
+        if self.echo and self.logprobs is not None:
+            raise APIError(
+                400, "echo with logprobs is not supported (it needs the prompt's logprobs)", "echo"
+            )
         if self.suffix:
             raise APIError(400, "suffix is not supported", "suffix")
         if self.best_of not in (None, 1):
@@ -217,6 +276,8 @@ class ChatMessage(BaseModel):
     role: str
     content: str | list[TextPart] | None = None
     name: str | None = None
+    tool_calls: list[ToolCallMessage] | None = None  # an assistant's earlier calls
+    tool_call_id: str | None = None  # a tool's answer: to which call
 
 
 class ChatCompletionRequest(_SamplingRequest):
@@ -224,9 +285,21 @@ class ChatCompletionRequest(_SamplingRequest):
 
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = None  # the newer name for max_tokens
+    logprobs: bool | None = False
+    top_logprobs: int | None = None  # alternatives per token, 0..20; needs logprobs: true
+    tools: list[Tool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = None
+
+    def requested_logprobs(self) -> int | None:
+        if not self.logprobs:
+            return None
+        return self.top_logprobs or 0
 
     def check_supported(self) -> None:
         super().check_supported()
+        if self.top_logprobs is not None and not self.logprobs:
+            raise APIError(400, "top_logprobs needs logprobs: true", "top_logprobs")
         if self.max_completion_tokens is not None:
             if self.max_tokens is not None and self.max_tokens != self.max_completion_tokens:
                 raise APIError(

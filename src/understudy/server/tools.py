@@ -1,0 +1,260 @@
+"""Tool calling for /v1/chat/completions: the prompt, the constraint, and the parser.
+
+- The prompt: the model's own chat template renders the tools and the tool messages
+  (`apply_chat_template(tools=...)`); a template that ignores `tools` is refused (400), as
+  the model would never see them.
+- tool_choice "none": tools are in the prompt, the output is plain content. "auto" (the
+  default with tools): the output is parsed for the Qwen2.5 family's calls,
+  `<tool_call>{"name": ..., "arguments": {...}}</tool_call>`. A named function: the output is
+  constrained to a JSON object valid for its parameters, and becomes that call's arguments.
+  "required": the output is constrained to a JSON array of {"name", "parameters"} objects,
+  one per call (vLLM's format for both), at most one when parallel_tool_calls is false.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import uuid
+from dataclasses import dataclass
+from typing import Any
+
+from understudy.config import StructuredSpec
+from understudy.server.protocol import APIError, ChatCompletionRequest
+
+OPEN, CLOSE = "<tool_call>", "</tool_call>"
+_CALL = re.compile(re.escape(OPEN) + r"\s*(.*?)\s*" + re.escape(CLOSE), re.DOTALL)
+
+
+@dataclass(frozen=True)
+class ToolCall:
+    name: str
+    arguments: str  # JSON text, as OpenAI sends it
+    id: str
+
+    def wire(self, index: int | None = None) -> dict[str, Any]:
+        out: dict[str, Any] = {
+            "id": self.id,
+            "type": "function",
+            "function": {"name": self.name, "arguments": self.arguments},
+        }
+        return out if index is None else {"index": index, **out}
+
+
+def new_call(name: str, arguments: Any) -> ToolCall:
+    text = arguments if isinstance(arguments, str) else json.dumps(arguments, ensure_ascii=False)
+    return ToolCall(name, text, "call_" + uuid.uuid4().hex[:24])
+
+
+def tool_mode(body: ChatCompletionRequest) -> str:
+    """ "off" (no tools), "none", "auto", "required" or "named"."""
+    if not body.tools:
+        if body.tool_choice not in (None, "none"):
+            raise APIError(400, "tool_choice needs tools", "tool_choice")
+        return "off"
+    choice = body.tool_choice or "auto"
+    if isinstance(choice, str):
+        mode = choice
+    else:
+        names = [tool.function.name for tool in body.tools]
+        if choice.function.name not in names:
+            raise APIError(
+                400,
+                f"tool_choice names the function {choice.function.name!r}, "
+                f"which is not among the tools ({', '.join(names)})",
+                "tool_choice",
+            )
+        mode = "named"
+    if body.parallel_tool_calls is False and mode == "auto":
+        raise APIError(
+            400,
+            "parallel_tool_calls: false needs tool_choice 'required' or a named function "
+            "(an unconstrained output may hold several calls)",
+            "parallel_tool_calls",
+        )
+    return mode
+
+
+def _parameters(tool: Any) -> dict[str, Any]:
+    return tool.function.parameters or {"type": "object", "properties": {}}
+
+
+def tool_constraint(body: ChatCompletionRequest, mode: str) -> StructuredSpec | None:
+    """The JSON schema a named or required tool_choice constrains the output to."""
+    if mode == "named":
+        name = body.tool_choice.function.name  # type: ignore[union-attr]
+        tool = next(t for t in body.tools if t.function.name == name)  # type: ignore[union-attr]
+        return StructuredSpec(json_schema=_parameters(tool))
+    if mode == "required":
+        items = [
+            {
+                "type": "object",
+                "properties": {
+                    "name": {"type": "string", "enum": [t.function.name]},
+                    "parameters": _parameters(t),
+                },
+                "required": ["name", "parameters"],
+            }
+            for t in body.tools  # type: ignore[union-attr]
+        ]
+        schema: dict[str, Any] = {"type": "array", "minItems": 1, "items": {"anyOf": items}}
+        if body.parallel_tool_calls is False:
+            schema["maxItems"] = 1
+        return StructuredSpec(json_schema=schema)
+    return None
+
+
+def template_messages(body: ChatCompletionRequest) -> list[dict[str, Any]]:
+    """The messages as chat templates expect them: tool calls' arguments as objects."""
+    out = []
+    for message in body.messages:
+        content = message.content
+        if isinstance(content, list):
+            content = "".join(part.text for part in content)
+        entry: dict[str, Any] = {"role": message.role, "content": content or ""}
+        if message.name is not None:
+            entry["name"] = message.name
+        if message.tool_call_id is not None:
+            entry["tool_call_id"] = message.tool_call_id
+        if message.tool_calls:
+            entry["tool_calls"] = [
+                {
+                    "id": call.id,
+                    "type": "function",
+                    "function": {
+                        "name": call.function.name,
+                        "arguments": _as_object(call.function.arguments),
+                    },
+                }
+                for call in message.tool_calls
+            ]
+        out.append(entry)
+    return out
+
+
+def _as_object(arguments: str) -> Any:
+    try:
+        return json.loads(arguments)
+    except ValueError:
+        return arguments
+
+
+def render_prompt(tokenizer: Any, body: ChatCompletionRequest) -> list[int]:
+    """Prompt token ids from the model's chat template, with the tools rendered."""
+    if tokenizer is None or not tokenizer.chat_template:
+        raise APIError(400, "this model has no chat template: it cannot take tools", "tools")
+    messages = template_messages(body)
+    tools = [tool.model_dump(exclude_none=True) for tool in body.tools or []]
+
+    def render(with_tools: list[dict[str, Any]] | None) -> list[int]:
+        out = tokenizer.apply_chat_template(
+            messages, tools=with_tools, add_generation_prompt=True, tokenize=True
+        )
+        return list(out["input_ids"] if isinstance(out, dict) or "input_ids" in out else out)
+
+    try:
+        ids = render(tools or None)
+        if tools and ids == render(None):
+            raise APIError(
+                400,
+                "this model's chat template does not render tools: it cannot take them",
+                "tools",
+            )
+    except APIError:
+        raise
+    except Exception as error:  # jinja's errors: the template refused these messages
+        message = f"the chat template cannot render these messages: {error}"
+        raise APIError(400, message, "messages") from None
+    return ids
+
+
+def parse_tool_calls(text: str) -> tuple[str, list[ToolCall]]:
+    """ "auto": the content outside <tool_call> blocks, and the calls in them. A block whose
+    JSON does not parse, or has no string "name", stays in the content."""
+    calls: list[ToolCall] = []
+    kept: list[str] = []
+    last = 0
+    for match in _CALL.finditer(text):
+        call = _call_from_json(match.group(1))
+        if call is None:
+            continue
+        kept.append(text[last : match.start()])
+        last = match.end()
+        calls.append(call)
+    kept.append(text[last:])
+    return "".join(kept).strip() if calls else text, calls
+
+
+def _call_from_json(text: str) -> ToolCall | None:
+    try:
+        value = json.loads(text)
+    except ValueError:
+        return None
+    if not isinstance(value, dict) or not isinstance(value.get("name"), str):
+        return None
+    return new_call(value["name"], value.get("arguments", {}))
+
+
+def constrained_calls(text: str, mode: str, name: str | None) -> list[ToolCall]:
+    """ "named" / "required": the calls in an output the grammar kept to their schema (an
+    output cut short by max_tokens or a stop string may not parse: then no calls)."""
+    try:
+        value = json.loads(text)
+    except ValueError:
+        return []
+    if mode == "named":
+        return [new_call(name or "", text)]
+    return [new_call(item["name"], item["parameters"]) for item in value]
+
+
+class ToolCallStream:
+    """ "auto" while streaming: text deltas in, (content delta, finished calls) out. Text that
+    might be the start of "<tool_call>" waits until the next delta settles it; a call is
+    sent whole once its closing tag has arrived."""
+
+    def __init__(self) -> None:
+        self.buffer = ""
+        self.in_call = False
+        self.calls = 0
+
+    def push(self, delta: str) -> tuple[str, list[ToolCall]]:
+        self.buffer += delta
+        content, calls = "", []
+        while True:
+            if self.in_call:
+                end = self.buffer.find(CLOSE)
+                if end < 0:
+                    return content, calls
+                body = self.buffer[:end]
+                self.buffer = self.buffer[end + len(CLOSE) :]
+                self.in_call = False
+                call = _call_from_json(body.strip())
+                if call is None:
+                    content += OPEN + body + CLOSE
+                else:
+                    calls.append(call)
+                    self.calls += 1
+                continue
+            start = self.buffer.find(OPEN)
+            if start >= 0:
+                content += self.buffer[:start]
+                self.buffer = self.buffer[start + len(OPEN) :]
+                self.in_call = True
+                continue
+            held = next(
+                (
+                    n
+                    for n in range(min(len(OPEN) - 1, len(self.buffer)), 0, -1)
+                    if self.buffer.endswith(OPEN[:n])
+                ),
+                0,
+            )
+            content += self.buffer[: len(self.buffer) - held]
+            self.buffer = self.buffer[len(self.buffer) - held :]
+            return content, calls
+
+    def finish(self) -> str:
+        """Whatever is left is content (an unclosed call included)."""
+        rest = (OPEN if self.in_call else "") + self.buffer
+        self.buffer, self.in_call = "", False
+        return rest
