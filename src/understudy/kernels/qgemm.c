@@ -42,6 +42,7 @@
 #define T_Q6_K 14
 
 #define TILE 32 /* rows per pass over the weights */
+#define SERIAL_BELOW 4e6 /* multiply-adds: smaller calls run on one thread (no fork/join) */
 
 static float half_to_float(uint16_t h) {
     uint32_t sign = (uint32_t)(h & 0x8000) << 16, exp = (h >> 10) & 0x1f, man = h & 0x3ff, bits;
@@ -413,7 +414,7 @@ int understudy_qgemm(int type, const float *x, const uint8_t *w, long row_bytes,
     if (bbytes == 0 || K % bsize != 0 || row_bytes < (K / bsize) * bbytes || ldy < N)
         return -1;
     if (M <= 0 || N <= 0) return 0;
-    if (threads < 1) threads = 1;
+    if (threads < 1 || (double)M * K * N < SERIAL_BELOW) threads = 1;
     long nb = K / bsize;
     int8_t *aq = malloc((size_t)(M * K));
     float *as = malloc(sizeof(float) * (size_t)(M * nb));
@@ -424,7 +425,7 @@ int understudy_qgemm(int type, const float *x, const uint8_t *w, long row_bytes,
         free(ab);
         return -2;
     }
-#pragma omp parallel num_threads(threads)
+#pragma omp parallel num_threads(threads) if (threads > 1)
     {
 #pragma omp for schedule(static)
         for (long m = 0; m < M; ++m)

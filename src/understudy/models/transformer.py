@@ -196,13 +196,15 @@ class Transformer(nn.Module):
         exponents = torch.arange(0, cfg.head_dim, 2, dtype=torch.float32, device="cpu")
         self.inv_freq = 1.0 / (cfg.rope_theta ** (exponents / cfg.head_dim))  # [D/2], not a weight
 
+    # (the final norm's weight, not the embedding's: an embedding from GGUF blocks,
+    # kernels/qgemm.py, has no dense weight to ask)
     @property
     def dtype(self) -> torch.dtype:
-        return self.embed.weight.dtype
+        return self.norm.weight.dtype
 
     @property
     def device(self) -> torch.device:
-        return self.embed.weight.device
+        return self.norm.weight.device
 
     @property
     def cache_slots(self) -> int:

@@ -1,0 +1,161 @@
+"""Models run from a GGUF file's own blocks (quantization="gguf", models/gguf_weights.py).
+
+A tiny random Qwen2 GGUF is written in the test with gguf's GGUFWriter (blocks of every
+kernel type, one float16 part). The dense path (transformers' GGUF loader, dequantized) is
+the reference: the same weights bitwise, logits within the activation quantization's error.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from gguf_helpers import write_tiny_qwen2_gguf
+from understudy.config import UnderstudyError
+from understudy.kernels import qgemm
+from understudy.kernels.qgemm import QuantLinear
+from understudy.models.loader import LoadedModel, load_model
+from understudy.models.runner import Runner
+
+pytestmark = pytest.mark.skipif(not qgemm.available(), reason="qgemm cannot be built here")
+
+
+@pytest.fixture(scope="module")
+def tiny_gguf(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, str]:
+    """(target, draft): the draft another seed, with its head tied to its embedding."""
+    root = tmp_path_factory.mktemp("gguf")
+    target = write_tiny_qwen2_gguf(root / "target.gguf", seed=0)
+    draft = write_tiny_qwen2_gguf(root / "draft.gguf", seed=1, tied=True)
+    return str(target), str(draft)
+
+
+@pytest.fixture(scope="module")
+def pair(tiny_gguf: tuple[str, str]) -> tuple[LoadedModel, LoadedModel]:
+    """The tiny target from its blocks, and dense (float32, via transformers)."""
+    return (
+        load_model(tiny_gguf[0], quantization="gguf"),
+        load_model(tiny_gguf[0], dtype="float32", quantization="none"),
+    )
+
+
+def test_weights_are_the_dense_conversion_bitwise(pair: tuple[LoadedModel, LoadedModel]) -> None:
+    """Every parameter of the block model, dequantized, is the dense path's bitwise: names,
+    fusing and row order map as transformers' GGUF loader maps them."""
+    blocks, dense = pair
+    assert blocks.from_blocks and not dense.from_blocks
+    assert isinstance(blocks.model.lm_head, QuantLinear)
+    dense_params = dict(dense.model.named_parameters())
+    checked = 0
+    for name, module in blocks.model.named_modules():
+        if isinstance(module, QuantLinear) and not name.endswith(".table"):
+            assert torch.equal(module.weight, dense_params[f"{name}.weight"]), name
+            if module.bias is not None:
+                assert torch.equal(module.bias, dense_params[f"{name}.bias"]), name
+            checked += 1
+    assert checked == 1 + 4 * blocks.model.cfg.num_layers
+    assert torch.equal(blocks.model.embed.weight, dense.model.embed.weight)
+    for name, param in blocks.model.named_parameters():  # the norms
+        assert torch.equal(param, dense_params[name]), name
+    assert blocks.model.cfg == dense.model.cfg
+    assert blocks.eos_token_ids == dense.eos_token_ids == (0,)
+
+
+def test_logits_close_to_dense(pair: tuple[LoadedModel, LoadedModel]) -> None:
+    """Activations are rounded to int8 per block (a step of max|x| / 127, ~0.7% RMS error
+    a matmul, compounding over the layers): logits agree with the dense path's within 5%
+    RMS of their own RMS, and on the argmax where the dense margin is clear."""
+    tokens = torch.tensor([3, 17, 42, 7, 99, 250, 1, 64, 128, 5])
+    logits = []
+    for loaded in pair:
+        runner = Runner(loaded.model, 64)
+        first = runner.prefill(tokens[:6])  # [vocab]
+        rest = runner.extend(tokens[6:])  # [4, vocab]
+        logits.append(torch.cat([first[None], rest]))
+    blocks, dense = logits  # [5, vocab] each
+    error = (blocks - dense).norm() / dense.norm()
+    print(f"relative RMS error {error:.4f}")
+    assert error <= 0.05, error
+    top2 = dense.topk(2).values
+    clear = top2[:, 0] - top2[:, 1] > 0.1 * dense.std()
+    assert clear.any()
+    assert torch.equal(blocks.argmax(-1)[clear], dense.argmax(-1)[clear])
+
+
+@pytest.mark.parametrize("method", ["draft", "ngram"])
+def test_greedy_speculative_equals_plain(tiny_gguf: tuple[str, str], method: str) -> None:
+    """From GGUF blocks the target's passes are unpadded (row-invariant kernels), and greedy
+    speculative output is plain decoding's, bit for bit."""
+    from understudy import Engine, SamplingParams
+
+    target, draft = tiny_gguf
+    options = dict(target=target, quantization="gguf", max_context=256)
+    plain = Engine.from_pretrained(method="none", **options)
+    spec = Engine.from_pretrained(
+        method=method, draft=draft if method == "draft" else None, num_speculative_tokens=4,
+        **options,
+    )  # fmt: skip
+    assert not spec.runner.pad and spec.target.from_blocks
+    params = SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True)
+    prompt = [5, 6, 7, 8, 5, 6, 7, 8, 5, 6]
+    expected = plain.generate(prompt, params).token_ids
+    out = spec.generate(prompt, params)
+    assert out.token_ids == expected
+    assert out.stats.target_passes < len(expected) or out.stats.acceptance_rate == 0.0
+    assert out.stats.drafted > 0
+
+
+def test_quantization_is_chosen_and_refused_by_name(
+    tiny_gguf: tuple[str, str], tiny_pair: tuple[str, str]
+) -> None:
+    from understudy import Engine
+
+    target, draft = tiny_gguf
+    assert load_model(target).from_blocks  # auto: a GGUF on a CPU
+    assert not load_model(tiny_pair[0]).from_blocks  # auto: a Hugging Face directory
+    with pytest.raises(UnderstudyError, match="not a GGUF"):
+        load_model(tiny_pair[0], quantization="gguf")
+    with pytest.raises(UnderstudyError, match="float32, not bfloat16"):
+        load_model(target, dtype="bfloat16", quantization="gguf")
+    with pytest.raises(UnderstudyError, match="unknown quantization 'q3'"):
+        load_model(target, quantization="q3")
+    with pytest.raises(UnderstudyError, match="draft runs from its GGUF blocks"):
+        Engine.from_pretrained(
+            target=target, draft=draft, quantization="gguf", draft_quantization="int4",
+            num_speculative_tokens=2,
+        )  # fmt: skip
+
+
+REAL_DRAFT = "qwen2.5-coder-0.5b"
+
+
+@pytest.mark.e2e
+def test_real_draft_from_blocks() -> None:
+    """The real 0.5B from its Q5_0/Q8_0/Q6_K/Q4_K blocks: logits close to the dense float32
+    path's, and greedy self-speculation (n-gram guesses) equals plain decoding for 32 tokens."""
+    from understudy import Engine, SamplingParams
+
+    blocks = load_model(REAL_DRAFT, quantization="gguf")
+    dense = load_model(REAL_DRAFT, dtype="float32", quantization="none")
+    tokens = torch.tensor(blocks.tokenizer.encode("def fibonacci(n):\n    if n < 2:"))
+    logits = [Runner(m.model, 128).prefill(tokens) for m in (blocks, dense)]
+    assert (logits[0] - logits[1]).abs().max() <= 0.05 * logits[1].std()
+    assert logits[0].argmax() == logits[1].argmax()
+    del dense
+    params = SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True)
+    prompt = "def fibonacci(n):"
+    options = dict(target=REAL_DRAFT, quantization="gguf", max_context=512)
+    expected = Engine.from_pretrained(method="none", **options).generate(prompt, params)
+    spec = Engine.from_pretrained(method="ngram", num_speculative_tokens=4, **options)
+    assert spec.generate(prompt, params).token_ids == expected.token_ids
+
+
+def test_helpers_write_what_they_say(tmp_path: Path) -> None:
+    """The tiny file holds the block types the tests rely on."""
+    from gguf import GGUFReader
+
+    kinds = {
+        t.tensor_type.name for t in GGUFReader(write_tiny_qwen2_gguf(tmp_path / "t.gguf")).tensors
+    }
+    assert {"Q4_K", "Q6_K", "Q8_0", "Q5_0", "F16", "F32"} <= kinds
