@@ -1,4 +1,4 @@
-"""The vocabulary of DESIGN.md section 2, computed in one place.
+"""The vocabulary of speculative decoding, defined and computed in one place.
 
 - round: one draft -> verify -> accept cycle (a decode pass with nothing drafted is a round
   with drafted = 0; plain decoding is all such rounds). target pass: one target forward,
@@ -18,7 +18,7 @@ from typing import Any
 
 @dataclass
 class GenerationStats:
-    """Field names are the `--json` "stats" keys (DESIGN.md section 3)."""
+    """Field names are the `--json` "stats" keys, and keep their names."""
 
     method: str
     k: int | str

@@ -1,7 +1,7 @@
 """Training text the target writes itself: docstring prompts, continued greedily in batches.
 
 A head drafts what the target writes, so the text it learns from should be the target's own
-(session 10: 2.25x more standard-library text raised held-out agreement on stdlib code, but
+(measured: 2.25x more standard-library text raised held-out agreement on stdlib code, but
 not acceptance on completion prompts). Here every prompt is one function's signature and
 docstring from the standard library (`docstring_prompts`), the kind of prompt a completion
 user gives, and the target continues it greedily to `seq_len` tokens.
@@ -11,20 +11,20 @@ run in lockstep, one row each in every pass of the single-sequence model, each s
 its own region of cache slots (sequence b's token at position p is written to slot
 b * T + p) and each row attending only to its own region (`regions`, one batched SDPA call
 over views of the cache). A pass streams the weights once however many rows it holds.
-Measured on the 1.5B bf16 target on a 2-core AMX CPU (session 16), 256-token sequences:
+Measured on the 1.5B bf16 target on a 2-core AMX CPU (2026-12-02), 256-token sequences:
 192 a batch wrote 271 tokens/s and 320 wrote 292 (random prompts of 20-120 tokens); the
 default 256 wrote 316 tokens/s from docstring prompts and 281 from openers (which sample
-their first tokens). The earlier packing, which gathered each row's keys, wrote 107
-tokens/s at its 48 a batch on the same machine. The features come out of the same passes,
+their first tokens). Packing 48 a batch with each row's keys gathered
+wrote 107 tokens/s on the same machine. The features come out of the same passes,
 so there is no second run over the text.
 
 A second kind of prompt (`opener_prompts`) reaches the languages the standard library has
 none of: a few characters that open a source file in JavaScript, C, Go, Rust, SQL, ...
 (`OPENERS`), after which the target samples the rest of the prompt itself (`sampled` tokens
-at `temperature`), then continues greedily like the docstring prompts (session 13: the head,
-trained on Python only, made 1.3 tokens per target pass on a JavaScript completion prompt
-and 2.2-3.4 on the Python ones; session 14: text begun this way raised the JavaScript one to
-1.7 and the C one from 1.9 to 2.9).
+at `temperature`), then continues greedily like the docstring prompts (measured: a head
+trained on Python only made 1.3 tokens per target pass on a JavaScript completion prompt
+and 2.2-3.4 on the Python ones; adding text begun this way raised the JavaScript one to
+1.7 and the C one from 1.9 to 2.9; docs/eagle-sessions.md).
 
 Shards have the layout of head/features.py (tokens, features, argmax), so training reads
 them like any corpus. Invariant: row t of a sequence holds the target's final hidden state

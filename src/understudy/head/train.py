@@ -9,12 +9,11 @@ target's own outputs, never against the corpus text:
 Drafting feeds the head its own predictions, so training unrolls `unroll` steps (EAGLE-3's
 training-time test): step s feeds the predictions of step s-1 as the features, and every
 step is scored against the real features and distributions. Each step attends as drafting
-does (EagleHead.sequence): to the real pairs before its chain and to its own chain. (Until
-session 15 a step s > 1 attended instead to the step-s pairs of the other positions, made
-of the head's own predicted features: a view drafting never gives it.)
+does (EagleHead.sequence): to the real pairs before its chain and to its own chain, never
+to the other positions' predicted pairs, a view drafting never gives it.
 
-Two options for a head trained on little text (it overfits: in session 8 it agreed with the
-target on ~0.75 of training positions and 0.50 held out):
+Two options for a head trained on little text (it overfits: one trained on 262k stdlib tokens
+agreed with the target on ~0.75 of training positions and 0.50 held out):
   - `feature_noise`: uniform noise on the real input features (EAGLE's augmentation), so the
     head learns to read features that are not exactly the ones it saw; the targets stay clean;
   - `precision`: the matmuls run under bfloat16 autocast where the hardware multiplies bf16
@@ -62,7 +61,7 @@ class TrainConfig:
     # half-width of the uniform noise added to the real input features, in units of the
     # features' std (0 = off); the first unrolled step reads them, later steps read the
     # head's own predictions, which carry their own error. Off by default: 0.2 gained
-    # nothing on 262k stdlib tokens (docs/eagle-sessions.md, session 9)
+    # nothing on 262k stdlib tokens (docs/eagle-sessions.md)
     feature_noise: float = 0.0
     precision: str = "auto"  # "auto" = bfloat16 where the hardware multiplies it natively
 

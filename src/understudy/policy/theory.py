@@ -1,7 +1,7 @@
 """The theory of speculative decoding: how many tokens a round yields, and what that buys.
 
 Leviathan, Kalman and Matias 2023, "Fast Inference from Transformers via Speculative
-Decoding" (ICML). Vocabulary as in DESIGN.md section 2:
+Decoding" (ICML). Vocabulary as in engine/stats.py:
 
 - alpha (α): the expected per-token acceptance, the chance that a drafted token is kept.
 - K: tokens drafted per round. Every round emits accepted + 1 tokens (the +1 is the
@@ -177,7 +177,7 @@ def monte_carlo(
     while every earlier one was; the round emits accepted + 1 tokens. Returns the mean tokens
     per round and its standard error, the implied speedup (Leviathan Thm 3.8 cost model),
     acceptance_rate = accepted / drafted, mean_accepted_length = (accepted + rounds) / rounds
-    and per_position_acceptance, as DESIGN.md section 2 defines them.
+    and per_position_acceptance, as engine/stats.py defines them.
     """
     a = _check_alpha(alpha)
     cost = _check_c(c)

@@ -3,7 +3,7 @@
 A tree adds accepted length over a chain of the same depth (siblings catch some of the
 chain's misses), but it costs more: every node is a row of the target's pass, and on the
 row-invariant CPU path a tree pass also gathers each node's keys (engine.py); the measured
-answer differs by machine (README, "Token trees": slower on the 2-core CPU). So the engine
+answer differs by machine (docs/design.md, "Token trees": slower on a 2-core CPU). So the engine
 keeps, over its requests, the tokens each shape has emitted per round and what its rounds
 cost in target passes, with the costs measured when the engine was built:
 
@@ -25,7 +25,7 @@ after one unlucky chain round and ran 9% slower than chains alone over 12 prompt
 Consequence, as with the suffix drafter's cross-request cache: a seeded sampled output can
 depend on the requests the engine served before (its law is the target's all the same);
 greedy output never changes. Lossless: each round is verified exactly whatever its shape
-(verify.py, verify_tree.py), and the choice reads only verified history.
+(verify/chain.py, verify/tree.py), and the choice reads only verified history.
 """
 
 from __future__ import annotations

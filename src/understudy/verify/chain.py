@@ -1,6 +1,6 @@
 """The verifier: which drafted tokens does the target keep, and what does it emit next?
 
-Vocabulary (DESIGN.md section 2): a round drafts K tokens x_1..x_K. The target scores them
+Vocabulary (engine/stats.py): a round drafts K tokens x_1..x_K. The target scores them
 in one pass, giving p_1..p_{K+1} (p_i is the target's distribution for the position of x_i;
 p_{K+1} the one after x_K). The verifier keeps the longest accepted prefix x_1..x_a and then
 emits exactly one token of its own: the *corrected* token sampled at the first rejection

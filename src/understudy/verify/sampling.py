@@ -1,7 +1,7 @@
 """Logits -> probabilities, with the warps every method applies identically.
 
 The same function warps the target's logits (p) and the drafter's (q): lossless rejection
-sampling needs p and q to be the distributions actually sampled from (DESIGN.md section 1).
+sampling needs p and q to be the distributions actually sampled from (verify/chain.py).
 Order (as in transformers and vLLM): temperature, then top-k, then top-p, then min-p.
 """
 
