@@ -78,13 +78,16 @@ class ServerProcess:
 
 
 @contextmanager
-def serve_in_thread(app: Any) -> Iterator[str]:
-    """Serve an ASGI app with uvicorn on a thread of this process; yields its base URL."""
+def serve_in_thread(app: Any, **config: Any) -> Iterator[str]:
+    """Serve an ASGI app with uvicorn on a thread of this process; yields its base URL.
+    `config`: more uvicorn.Config arguments (timeouts, the `http` protocol)."""
     import uvicorn
 
     port = free_port()
     server = uvicorn.Server(
-        uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", lifespan="on")
+        uvicorn.Config(
+            app, host="127.0.0.1", port=port, log_level="warning", lifespan="on", **config
+        )
     )
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
@@ -137,3 +140,37 @@ class SlowEngine:
                     outer.finished.set()
 
         return Stream()
+
+
+def check_sigterm_drains(server: ServerProcess, model: str) -> None:
+    """SIGTERM while a request streams: the request completes, no new connection is taken
+    meanwhile, and the process exits with status 0."""
+    import json
+
+    url = server.url + "/v1/completions"
+    body = {"model": model, "prompt": "x", "max_tokens": 800, "temperature": 0,
+            "ignore_eos": True, "stream": True}  # fmt: skip
+    chunks: list[dict] = []
+    first = threading.Event()
+
+    def read() -> None:
+        with httpx.stream("POST", url, json=body, timeout=120) as response:
+            for line in response.iter_lines():
+                if line.startswith("data: {"):
+                    chunks.append(json.loads(line[6:]))
+                    first.set()
+
+    reader = threading.Thread(target=read)
+    reader.start()
+    assert first.wait(60)
+    server.terminate()
+    time.sleep(0.3)
+    try:  # no new connections while draining
+        httpx.get(server.url + "/health", timeout=2)
+        raise AssertionError("a new connection was accepted while draining")
+    except httpx.HTTPError:
+        pass
+    reader.join(120)
+    assert chunks[-1]["choices"][0]["finish_reason"] == "length"
+    assert chunks[-1]["usage"]["completion_tokens"] == 800
+    assert server.proc.wait(60) == 0, server.log()

@@ -13,12 +13,14 @@ import json
 import re
 import threading
 import time
+from pathlib import Path
 
 import httpx
 import openai
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
-from server_helpers import ServerProcess, SlowEngine, serve_in_thread
+from server_helpers import ServerProcess, SlowEngine, check_sigterm_drains, serve_in_thread
 from understudy.engine.engine import Engine
 
 K = "2"  # fp32 CPU target passes hold 3 rows by default: K=2 keeps greedy output exact
@@ -30,7 +32,7 @@ def server(tiny_pair, tmp_path_factory):
     log = tmp_path_factory.mktemp("server") / "server.log"
     args = ["--target", target, "--draft", draft, "--dtype", "float32", "-k", K]
     proc = ServerProcess([*args, "--log-level", "warning"], log)
-    proc.model = target
+    proc.model = Path(target).name  # the served name: the directory's, never its path
     yield proc
     proc.stop()
 
@@ -58,7 +60,8 @@ def spec_stats(response) -> dict:
 def test_health_and_models(server, client):
     health = httpx.get(server.url + "/health").json()
     assert health["status"] == "ok"
-    assert [m.id for m in client.models.list().data] == [server.model]
+    assert [m.id for m in client.models.list().data] == [server.model] == [health["model"]]
+    assert "/" not in server.model
     assert client.models.retrieve(server.model).id == server.model
 
 
@@ -246,34 +249,67 @@ def test_concurrent_greedy_requests_equal_alone(server):
     assert asyncio.run(together()) == alone
 
 
-def test_metrics_prometheus_text(server, client):
-    client.completions.create(model=server.model, prompt="x = 1", max_tokens=8, temperature=0)
-    response = httpx.get(server.url + "/metrics")
-    assert response.status_code == 200
+def scrape(url: str, **headers: str) -> dict[str, object]:
+    """/metrics through prometheus_client's own parser: family name -> family."""
+    response = httpx.get(url + "/metrics", headers=headers)
+    assert response.status_code == 200, response.text
     assert response.headers["content-type"].startswith("text/plain")
-    text = response.text
-    samples: list[tuple[str, dict[str, str], float]] = []  # (name, labels, value)
-    for line in text.splitlines():
-        if line and not line.startswith("#"):
-            name, labels, value = re.fullmatch(r"(\w+)(?:\{(.*)\})? (\S+)", line).groups()
-            pairs = dict(re.findall(r'(\w+)="((?:[^"\\]|\\.)*)"', labels or ""))
-            samples.append((name, pairs, float(value)))
-    assert "# TYPE understudy_e2e_request_latency_seconds histogram" in text
+    return {f.name: f for f in text_string_to_metric_families(response.text)}
 
-    def value(name: str, **labels: str) -> float:
-        return sum(
-            v
-            for n, ls, v in samples
-            if n == name and all(ls.get(k) == x for k, x in labels.items())
+
+def total(families: dict, name: str, sample: str | None = None, **labels: str) -> float:
+    """The sum of a family's samples named `sample` (default: the family's own counter
+    sample, name + "_total") whose labels include `labels`."""
+    family = families[name]
+    wanted = sample or (name + "_total" if family.type == "counter" else name)
+    return sum(
+        s.value
+        for s in family.samples
+        if s.name == wanted and all(s.labels.get(k) == v for k, v in labels.items())
+    )
+
+
+def test_metrics_prometheus_text(server, client):
+    """Typed counters whose values move by exactly what the responses report."""
+    before = scrape(server.url)
+    outs = [
+        client.completions.create(
+            model=server.model,
+            prompt=p,
+            max_tokens=8,
+            temperature=0,
+            extra_body={"ignore_eos": True},
         )
+        for p in ("x = 1", "def f():")
+    ]
+    after = scrape(server.url)
+    stats = [spec_stats(o) for o in outs]
+    for name in ("http_requests", "request_success", "prompt_tokens", "generation_tokens",
+                 "target_passes", "spec_decode_num_drafts", "spec_decode_num_draft_tokens",
+                 "spec_decode_num_accepted_tokens",
+                 "spec_decode_num_accepted_tokens_per_pos"):  # fmt: skip
+        assert after["understudy:" + name].type == "counter", name
+    for name in ("num_requests_running", "num_requests_waiting", "spec_decode_acceptance_rate"):
+        assert after["understudy:" + name].type == "gauge", name
+    assert after["understudy:e2e_request_latency_seconds"].type == "histogram"
 
-    assert value("understudy_requests_total", route="/v1/completions", code="200") >= 1
-    assert value("understudy_generation_tokens_total") >= 8
-    assert value("understudy_spec_decode_num_draft_tokens_total") > 0
-    accepted = value("understudy_spec_decode_num_accepted_tokens_total")
-    assert value("understudy_spec_decode_num_accepted_tokens_per_pos_total") == accepted
-    assert value("understudy_e2e_request_latency_seconds_count") >= 1
-    assert 0 <= value("understudy_spec_decode_acceptance_rate") <= 1
+    def delta(name: str, sample: str | None = None, **labels: str) -> float:
+        full = "understudy:" + name
+        return total(after, full, sample, **labels) - total(before, full, sample, **labels)
+
+    route = {"route": "/v1/completions", "code": "200"}
+    assert delta("http_requests", **route) == 2
+    assert delta("request_success", finished_reason="length") == 2
+    assert delta("generation_tokens", model_name=server.model, method="draft") == 16
+    assert delta("prompt_tokens") == sum(o.usage.prompt_tokens for o in outs)
+    assert delta("target_passes") == sum(s["target_passes"] for s in stats)
+    assert delta("spec_decode_num_drafts") == sum(s["rounds"] for s in stats)
+    assert delta("spec_decode_num_draft_tokens") == sum(s["drafted"] for s in stats) > 0
+    accepted = sum(s["accepted"] for s in stats)
+    assert delta("spec_decode_num_accepted_tokens") == accepted
+    assert delta("spec_decode_num_accepted_tokens_per_pos") == accepted
+    assert delta("e2e_request_latency_seconds", "understudy:e2e_request_latency_seconds_count") == 2
+    assert 0 <= total(after, "understudy:spec_decode_acceptance_rate") <= 1
 
 
 def test_lab_page_and_api(server):
@@ -320,30 +356,7 @@ def lab_run(url: str, mode: str, max_tokens: int) -> list[dict]:
 def test_zz_sigterm_drains_and_exits_cleanly(server):
     """Runs last: SIGTERM while a request streams; the request completes, then the process
     exits with status 0."""
-    url = server.url + "/v1/completions"
-    body = {"model": server.model, "prompt": "x", "max_tokens": 800, "temperature": 0,
-            "ignore_eos": True, "stream": True}  # fmt: skip
-    chunks: list[dict] = []
-    first = threading.Event()
-
-    def read() -> None:
-        with httpx.stream("POST", url, json=body, timeout=120) as response:
-            for line in response.iter_lines():
-                if line.startswith("data: {"):
-                    chunks.append(json.loads(line[6:]))
-                    first.set()
-
-    reader = threading.Thread(target=read)
-    reader.start()
-    assert first.wait(60)
-    server.terminate()
-    time.sleep(0.3)
-    with pytest.raises(httpx.HTTPError):  # no new connections while draining
-        httpx.get(server.url + "/health", timeout=2)
-    reader.join(120)
-    assert chunks[-1]["choices"][0]["finish_reason"] == "length"
-    assert chunks[-1]["usage"]["completion_tokens"] == 800
-    assert server.proc.wait(60) == 0, server.log()
+    check_sigterm_drains(server, server.model)
 
 
 # --- in-process server around a wrapped engine ------------------------------------------

@@ -27,7 +27,15 @@ from pydantic import BaseModel, ConfigDict, Field
 from understudy.config import SamplingParams, UnderstudyError
 from understudy.server.generation import account, encode_for_budget, until_cancelled
 from understudy.server.metrics import Metrics
-from understudy.server.protocol import SSE_HEADERS, APIError, as_api_error, sse
+from understudy.server.openapi import error_responses, event_stream
+from understudy.server.protocol import (
+    SSE_HEADERS,
+    APIError,
+    as_api_error,
+    error_from_understudy,
+    sse,
+)
+from understudy.server.text_check import refuse_lone_surrogates
 from understudy.server.worker import Job
 
 LAB_MAX_TOKENS = 1024
@@ -178,13 +186,14 @@ def add_lab_routes(
     auth_required: bool,
 ) -> None:
     engines = _Engines(engine)
+    auth = (401,) if auth_required else ()
     page = resources.files("understudy").joinpath("web/lab.html").read_text(encoding="utf-8")
 
     @app.get("/lab", response_class=HTMLResponse)
     async def lab_page() -> HTMLResponse:
         return HTMLResponse(page)
 
-    @app.get("/lab/api/info")
+    @app.get("/lab/api/info", responses=error_responses(*auth))
     async def lab_info() -> dict[str, Any]:
         tokenizer = engine.tokenizer
         return {
@@ -200,7 +209,7 @@ def add_lab_routes(
             "auth_required": auth_required,
         }
 
-    @app.get("/lab/api/theory")
+    @app.get("/lab/api/theory", responses=error_responses(400, *auth, 422))
     async def lab_theory(alpha: float, c: float, k: int | None = None) -> dict[str, Any]:
         from understudy.policy.theory import simulate_report
 
@@ -209,7 +218,7 @@ def add_lab_routes(
         except UnderstudyError as error:
             raise _theory_error(error) from None
 
-    @app.get("/lab/api/alpha")
+    @app.get("/lab/api/alpha", responses=error_responses(400, *auth, 422))
     async def lab_alpha(acceptance_rate: float, k: int) -> dict[str, Any]:
         if not 0.0 <= acceptance_rate <= 1.0:
             raise APIError(400, "acceptance_rate must be in [0, 1]", "acceptance_rate")
@@ -217,14 +226,22 @@ def add_lab_routes(
             raise APIError(400, "k must be in 1..64", "k")
         return {"alpha": alpha_from_acceptance(acceptance_rate, k), "k": k}
 
-    @app.post("/lab/api/run")
+    @app.post(
+        "/lab/api/run",
+        response_class=StreamingResponse,
+        responses={
+            **event_stream("The run's events: start, a token each, then done (or error)"),
+            **error_responses(400, *auth, 408, 413, 422, 429, 500),
+        },
+    )
     async def lab_run(run: LabRun, request: Request) -> StreamingResponse:
+        refuse_lone_surrogates(run)
         try:
             params = SamplingParams(
                 max_tokens=run.max_tokens, temperature=run.temperature, seed=run.seed
             )
         except UnderstudyError as error:
-            raise APIError(400, str(error)) from None
+            raise error_from_understudy(error) from None
         job = submit(lab_work(engines, run, params))
         events = job.stream(request.is_disconnected)
         first = await anext(events, None)

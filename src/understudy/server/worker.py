@@ -4,7 +4,8 @@ The engine is not thread-safe, so every call into it happens on the worker threa
 handler (on the asyncio loop) submits a `Job`; the worker runs `job.work(job)`, which emits
 events back to the loop through `job.emit` (thread-safe). A handler that sees its client
 disconnect calls `job.cancel()`; the work function checks `job.cancelled` between tokens and
-stops, and a job cancelled while still queued never starts.
+stops. A job cancelled while still queued leaves the queue at once: it stops counting
+against `max_queue` (and in `waiting`) the moment its client goes, and never starts.
 
 Admission is bounded: at most `max_queue` jobs wait while one runs; one more is refused
 with `QueueFull` (HTTP 429), so a burst never grows memory or latency without bound.
@@ -41,6 +42,7 @@ class Job:
         self.cancelled = threading.Event()
         self.submitted_at = time.perf_counter()
         self.started_at: float | None = None
+        self.on_cancel: Callable[[Job], None] | None = None  # set by the Worker that queues it
 
     def emit(self, kind: str, payload: Any = None) -> None:
         """Called on the worker thread."""
@@ -50,7 +52,11 @@ class Job:
             self.cancelled.set()
 
     def cancel(self) -> None:
+        if self.cancelled.is_set():
+            return
         self.cancelled.set()
+        if self.on_cancel is not None:
+            self.on_cancel(self)
 
     async def stream(
         self, is_disconnected: Callable[[], Awaitable[bool]], poll_s: float = 0.25
@@ -87,7 +93,8 @@ class Worker:
         self.max_queue = max_queue
         self._jobs: queue.Queue[Job | None] = queue.Queue()
         self._lock = threading.Lock()
-        self._in_flight = 0  # running + waiting
+        self._in_flight = 0  # running + waiting (withdrawn jobs are not counted)
+        self._queued: set[Job] = set()  # admitted, not started, not withdrawn
         self.running = 0
         self._thread: threading.Thread | None = None
 
@@ -109,8 +116,17 @@ class Worker:
         with self._lock:
             if self._in_flight >= self.max_queue + 1:
                 raise QueueFull
+            job.on_cancel = self._withdraw
             self._in_flight += 1
+            self._queued.add(job)
         self._jobs.put(job)
+
+    def _withdraw(self, job: Job) -> None:
+        """A queued job was cancelled: free its place now (the thread skips it later)."""
+        with self._lock:
+            if job in self._queued:
+                self._queued.discard(job)
+                self._in_flight -= 1
 
     def stop(self, timeout: float | None = 30.0) -> None:
         """Finish the jobs already queued (cancelled ones are skipped), then end the thread."""
@@ -125,13 +141,14 @@ class Worker:
             if job is None:
                 return
             with self._lock:
+                if job not in self._queued:  # withdrawn while it waited: already uncounted
+                    job.emit("cancelled")
+                    continue
+                self._queued.discard(job)
                 self.running = 1
             try:
-                if job.cancelled.is_set():
-                    job.emit("cancelled")
-                else:
-                    job.started_at = time.perf_counter()
-                    job.work(job)
+                job.started_at = time.perf_counter()
+                job.work(job)
             except Exception as error:  # the server must outlive any one request
                 log.exception("request failed")
                 job.emit("error", error)

@@ -1,0 +1,57 @@
+"""What the OpenAPI document (/openapi.json) says each route can answer, errors included.
+
+FastAPI documents a 200 and its own 422 shape by default; our errors all use OpenAI's
+envelope (protocol.APIError), so every status a route can give is listed here with that
+schema, and the streaming routes list their text/event-stream 200 beside the JSON one.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pydantic import BaseModel
+
+DESCRIPTIONS = {
+    400: "The request is invalid: `error.param` names the field.",
+    401: "The API key is missing or wrong (`Authorization: Bearer <key>`).",
+    404: "No such model (`error.param` is `model`) or route.",
+    408: "The request body did not arrive in time.",
+    413: "The request body is too large.",
+    422: "The body does not match the schema: `error.param` names the field.",
+    429: "The queue is full: retry later.",
+    500: "The engine failed on this request; the server goes on.",
+}
+
+
+class ErrorDetail(BaseModel):
+    message: str
+    type: str
+    param: str | None
+    code: str | None
+
+
+class ErrorBody(BaseModel):
+    """OpenAI's error envelope."""
+
+    error: ErrorDetail
+
+
+def error_responses(*statuses: int) -> dict[int | str, dict[str, Any]]:
+    """FastAPI `responses` entries for these error statuses."""
+    return {s: {"model": ErrorBody, "description": DESCRIPTIONS[s]} for s in statuses}
+
+
+def event_stream(description: str) -> dict[int | str, dict[str, Any]]:
+    """A 200 that may be (or always is) a stream of server-sent events."""
+    return {
+        200: {
+            "description": description,
+            "content": {"text/event-stream": {"schema": {"type": "string"}}},
+        }
+    }
+
+
+def plain_text(description: str) -> dict[int | str, dict[str, Any]]:
+    return {
+        200: {"description": description, "content": {"text/plain": {"schema": {"type": "string"}}}}
+    }
