@@ -14,7 +14,7 @@ $(STAMP): pyproject.toml
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet "torch==2.13.0"
-	$(PY) -m pip install --quiet -e ".[test,serve,bench]"
+	$(PY) -m pip install --quiet -e ".[test,serve,bench,ray]"
 	@touch $(STAMP)
 
 demo: setup
