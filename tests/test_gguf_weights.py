@@ -139,9 +139,11 @@ def test_real_draft_from_blocks() -> None:
     blocks = load_model(REAL_DRAFT, quantization="gguf")
     dense = load_model(REAL_DRAFT, dtype="float32", quantization="none")
     tokens = torch.tensor(blocks.tokenizer.encode("def fibonacci(n):\n    if n < 2:"))
-    logits = [Runner(m.model, 128).prefill(tokens) for m in (blocks, dense)]
-    assert (logits[0] - logits[1]).abs().max() <= 0.05 * logits[1].std()
-    assert logits[0].argmax() == logits[1].argmax()
+    got, want = (Runner(m.model, 128).prefill(tokens) for m in (blocks, dense))  # [vocab]
+    # int8 activations (as llama.cpp multiplies): seen 4% centred RMS error, TV 0.019
+    assert (got - want).norm() <= 0.08 * (want - want.mean()).norm()
+    assert got.topk(5).indices.tolist() == want.topk(5).indices.tolist()
+    assert 0.5 * (got.softmax(-1) - want.softmax(-1)).abs().sum() <= 0.05
     del dense
     params = SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True)
     prompt = "def fibonacci(n):"
