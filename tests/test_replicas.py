@@ -153,6 +153,11 @@ def test_health_counts_the_running_replicas(service):
     assert report["status"] == "ok"
     assert report["replicas"] == 2
     assert len(replica_processes(service)) == 2
+    lab = httpx.get(service.url + "/lab", timeout=60)  # the Lab, through a replica
+    assert lab.status_code == 200 and lab.headers["content-type"].startswith("text/html")
+    wrong = httpx.post(service.url + "/v1/completions", json={"model": "nope", "prompt": "x"})
+    assert wrong.status_code == 404  # a replica's own error, relayed unchanged
+    assert wrong.json()["error"]["code"] == "model_not_found"
 
 
 def test_concurrent_answers_equal_solo_answers(service, client):

@@ -26,12 +26,15 @@ from __future__ import annotations
 import asyncio
 import hmac
 import json
+import logging
 from collections.abc import Awaitable, Callable
 from typing import Any
 
-from understudy.server.protocol import APIError, sse
+from understudy.server.protocol import APIError, as_api_error, sse
 from understudy.server.replica import HTTPRequest
 from understudy.server.replica_metrics import merged_exposition
+
+log = logging.getLogger("understudy.server")
 
 RETRY_AFTER_S = 1  # the other replicas serve a retry at once; a lost one restarts meanwhile
 METRICS_CONTENT_TYPE = b"text/plain; version=0.0.4; charset=utf-8"
@@ -168,7 +171,7 @@ class Front:
             await relaying  # its own errors surface here
 
     async def _relay(self, responses: Any, send: Any, exchange: _Exchange) -> None:
-        from ray.exceptions import RayActorError
+        from ray.exceptions import RayActorError, RayTaskError
         from ray.serve.exceptions import BackPressureError, DeploymentUnavailableError
 
         streaming = False
@@ -195,6 +198,13 @@ class Front:
             elif streaming:
                 tail = sse(lost.body()) + sse("[DONE]")
                 await send({"type": "http.response.body", "body": tail, "more_body": False})
+            else:
+                await send({"type": "http.response.body", "body": b"", "more_body": False})
+        except RayTaskError as error:  # the replica's own code failed, not the request's
+            log.error("forwarding failed", exc_info=error)
+            exchange.complete = True
+            if not exchange.started:
+                await _send_error(send, as_api_error(error), retry=False)
             else:
                 await send({"type": "http.response.body", "body": b"", "more_body": False})
 
