@@ -41,13 +41,24 @@ def error_responses(*statuses: int) -> dict[int | str, dict[str, Any]]:
     return {s: {"model": ErrorBody, "description": DESCRIPTIONS[s]} for s in statuses}
 
 
+# One server-sent event, as OpenAPI 3.2 describes a text/event-stream item: every event we
+# send is a `data:` line holding one JSON object (or the literal [DONE]).
+SSE_EVENT = {
+    "type": "object",
+    "required": ["data"],
+    "properties": {
+        "data": {"type": "string", "description": "one JSON object, or [DONE]"},
+        "event": {"type": "string"},
+        "id": {"type": "string"},
+        "retry": {"type": "integer"},
+    },
+}
+
+
 def event_stream(description: str) -> dict[int | str, dict[str, Any]]:
     """A 200 that may be (or always is) a stream of server-sent events."""
     return {
-        200: {
-            "description": description,
-            "content": {"text/event-stream": {"schema": {"type": "string"}}},
-        }
+        200: {"description": description, "content": {"text/event-stream": {"schema": SSE_EVENT}}}
     }
 
 
