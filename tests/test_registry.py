@@ -53,7 +53,7 @@ def cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
 
 
 def test_registry_entries() -> None:
-    assert set(PACKAGED_MODELS) == {"qwen2.5-coder-1.5b", "qwen2.5-coder-0.5b"}
+    assert set(PACKAGED_MODELS) == {"qwen2.5-coder-1.5b", "qwen2.5-coder-0.5b", "gemma3-270m"}
     target, draft = PACKAGED_MODELS[DEFAULT_TARGET], PACKAGED_MODELS[DEFAULT_DRAFT]
     assert target.size == 1_117_320_768 and draft.size == 491_400_064
     assert target.sha256.startswith("cc324af0") and draft.sha256.startswith("1d961463")

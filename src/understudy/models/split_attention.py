@@ -40,6 +40,8 @@ class SplitKeys:
     tail: int  # T: tail keys per row
     tail_slots: torch.Tensor  # [R * T] cache slot of each tail key, row-major
     bias: torch.Tensor  # [1, R, 1, L + T] float32: 0 where the row sees the key, else -inf
+    tail_positions: torch.Tensor  # [R, T] chain position of each tail key
+    positions: torch.Tensor  # [R] each row's own chain position
 
 
 def split_keys(
@@ -62,7 +64,21 @@ def split_keys(
     visible = torch.cat([head, seen], dim=1)  # [R, L + T]
     bias = torch.zeros(visible.shape, dtype=torch.float32, device=device)
     bias.masked_fill_(~visible, float("-inf"))
-    return SplitKeys(window, tail, slots.flatten(), bias[None, :, None])
+    return SplitKeys(window, tail, slots.flatten(), bias[None, :, None], tail_pos, positions)
+
+
+def within_window(keys: SplitKeys, window: int) -> SplitKeys:
+    """The same split for a sliding-window layer: row r at position p also stops seeing the
+    keys at positions <= p - window (transformers' sliding mask: kv > q - window). A head
+    key's position is its slot; a tail key's is `tail_positions`."""
+    rows, device = keys.positions.shape[0], keys.positions.device
+    oldest = (keys.positions - window)[:, None]  # [R, 1]: positions <= this are out
+    head_out = torch.arange(keys.window, device=device)[None] <= oldest  # [R, L]
+    out = torch.cat([head_out, keys.tail_positions <= oldest], dim=1)  # [R, L + T]
+    bias = keys.bias.masked_fill(out.view(1, rows, 1, -1), float("-inf"))
+    return SplitKeys(
+        keys.window, keys.tail, keys.tail_slots, bias, keys.tail_positions, keys.positions
+    )
 
 
 def split_attention(
@@ -70,13 +86,17 @@ def split_attention(
     k_cache: torch.Tensor,  # [Hkv, S, D]
     v_cache: torch.Tensor,  # [Hkv, S, D]
     keys: SplitKeys,
+    scale: float | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """Scaled dot-product attention of each row over its keys (module docstring) -> [R, H, D]
-    in q's dtype. Query head j reads kv head j // (H / Hkv), as SDPA's enable_gqa does."""
+    in q's dtype. Query head j reads kv head j // (H / Hkv), as SDPA's enable_gqa does.
+    `scale` defaults to D ** -0.5; `softcap` (Gemma 2) maps scores s to tanh(s / c) * c."""
     heads, rows, dim = q.shape
     kv_heads, length, tail = k_cache.shape[0], keys.window, keys.tail
     group = heads // kv_heads
-    qg = (q.float() * dim**-0.5).reshape(kv_heads, group * rows, dim)  # [Hkv, G*R, D]
+    scale = dim**-0.5 if scale is None else scale
+    qg = (q.float() * scale).reshape(kv_heads, group * rows, dim)  # [Hkv, G*R, D]
     k_head = k_cache[:, :length].float()  # [Hkv, L, D]
     v_head = v_cache[:, :length].float()
     k_tail = k_cache.index_select(1, keys.tail_slots).float().view(kv_heads, rows, tail, dim)
@@ -85,7 +105,10 @@ def split_attention(
     s_head = s_head.view(kv_heads, group, rows, length).transpose(1, 2)  # [Hkv, R, G, L]
     q_rows = qg.view(kv_heads, group, rows, dim).transpose(1, 2)  # [Hkv, R, G, D]
     s_tail = torch.matmul(q_rows, k_tail.transpose(2, 3))  # [Hkv, R, G, T]
-    p = torch.softmax(torch.cat([s_head, s_tail], dim=-1).add_(keys.bias), dim=-1)
+    scores = torch.cat([s_head, s_tail], dim=-1)  # [Hkv, R, G, L + T]
+    if softcap is not None:
+        scores = torch.tanh(scores / softcap) * softcap
+    p = torch.softmax(scores.add_(keys.bias), dim=-1)
     p_head = p[..., :length].transpose(1, 2).reshape(kv_heads, group * rows, length)
     out = torch.matmul(p_head, v_head).view(kv_heads, group, rows, dim).transpose(1, 2)
     out = out + torch.matmul(p[..., length:], v_tail)  # [Hkv, R, G, D]

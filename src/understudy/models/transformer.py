@@ -1,4 +1,5 @@
-"""A compact decoder-only transformer of the Llama / Qwen2 family, built for verification.
+"""A compact decoder-only transformer, built for verification: Llama 3, Mistral, Qwen2/3,
+Gemma 2/3, Phi-3/4 and the mixture-of-experts blocks of Mixtral and Qwen3-MoE.
 
 One forward shape for everything (gpt-fast style): `forward(tokens, positions, slots, mask)`
 scores any set of query rows against a preallocated, slot-indexed KV cache:
@@ -16,10 +17,20 @@ scores any set of query rows against a preallocated, slot-indexed KV cache:
 Rolling the cache back is position arithmetic done by the caller (slots past the valid
 length are simply overwritten later); a tree's accepted path is kept by `keep_slots`.
 
-Why this shape: a matmul's result for a row depends on how many rows are in the call (FACTS.md),
-so the target always scores a FIXED number of rows over a FIXED number of key slots. Then a
-row's logits do not depend on how many of the other rows are real, and speculative output is
-bitwise the output of plain decoding.
+Why this shape: a matmul's result for a row depends on how many rows are in the call, so
+the target always scores a FIXED number of rows over a FIXED number of key slots (or runs
+row-invariant kernels). Then a row's logits do not depend on how many of the other rows are
+real, and speculative output is bitwise the output of plain decoding.
+
+Sliding-window layers (Mistral, Gemma 2/3, Phi-3) keep the whole sequence in the cache like
+every layer and hide the keys outside the window by mask: column j of `mask` (or of
+`key_slots`) is the key at chain position j, so a row at position p sees j only when
+p - window < j (transformers' sliding mask). Nothing is evicted, so rolling back and
+generating past the window need no extra bookkeeping. (A drafter's tree pass, whose mask
+columns are slots, is exact while the tree is shallower than the window.)
+
+Everything a family changes is decided when the model is built (which norm, rope, MLP or
+mixture, soft caps); the forward pass has no branch on the architecture's name.
 """
 
 from __future__ import annotations
@@ -27,10 +38,15 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
-from understudy.models.split_attention import SplitKeys, split_attention
+from understudy.models.attention import Attention, region_view, rotate_half
+from understudy.models.moe import MLP, SparseMoE
+from understudy.models.norms import RMSNorm, make_norm
+from understudy.models.rope import RopeScaling, Rotary, exact_positions
+from understudy.models.split_attention import SplitKeys, within_window
+
+__all__ = ["Block", "RMSNorm", "Transformer", "TransformerConfig", "region_view", "rotate_half"]
 
 
 @dataclass(frozen=True)
@@ -41,144 +57,89 @@ class TransformerConfig:
     num_layers: int
     num_heads: int
     num_kv_heads: int
-    head_dim: int
+    head_dim: int  # apart from hidden / heads in Qwen3 and Gemma
     rms_norm_eps: float = 1e-6
     rope_theta: float = 10000.0
     attention_bias: bool = False  # Qwen2 has q/k/v biases, Llama does not
     tie_word_embeddings: bool = False
     max_position_embeddings: int = 32768
+    # rope: a scaling scheme (Llama 3.1's, YaRN, LongRoPE...; None = plain), the rotated
+    # share of each head (Phi-4-mini rotates 3/4; None = all), and Gemma 3's own base for
+    # its sliding layers (None = every layer uses rope_theta and rope_scaling)
+    rope_scaling: RopeScaling | None = None
+    rotary_dim: int | None = None
+    local_rope_theta: float | None = None
+    # attention: which layers see only the last `sliding_window` positions (empty = none),
+    # the score scale (Gemma: query_pre_attn_scalar ** -0.5; None = head_dim ** -0.5), the
+    # tanh cap on scores (Gemma 2), and a per-head RMSNorm of q and k (Qwen3, Gemma 3)
+    sliding_window: int | None = None
+    sliding_layers: tuple[bool, ...] = ()
+    attn_scale: float | None = None
+    attn_softcap: float | None = None
+    qk_norm: bool = False
+    # Gemma: norms scale by (1 + weight), extra norms after attention and after the MLP,
+    # embeddings times sqrt(hidden) (rounded to the model's dtype, as transformers does),
+    # a tanh cap on the final logits (Gemma 2)
+    norm_unit_offset: bool = False
+    sandwich_norms: bool = False
+    embed_scale: float | None = None
+    final_softcap: float | None = None
+    hidden_act: str = "silu"  # or "gelu_pytorch_tanh" (Gemma)
+    # mixture of experts (0 experts = dense): which layers are sparse (empty = all), the
+    # experts' own width, top-k, renormalising the k weights, and whether the weights stay
+    # float32 (Mixtral) or are cast to the model's dtype first (Qwen3-MoE)
+    num_experts: int = 0
+    experts_per_token: int = 0
+    moe_intermediate_size: int = 0
+    moe_layers: tuple[bool, ...] = ()
+    normalize_expert_weights: bool = True
+    expert_weights_in_float32: bool = True
+
+    def __post_init__(self) -> None:
+        # JSON round trip (the converted-model cache): lists back to tuples, dicts to dataclasses
+        for name in ("sliding_layers", "moe_layers"):
+            object.__setattr__(self, name, tuple(bool(v) for v in getattr(self, name)))
+        if isinstance(self.rope_scaling, dict):
+            object.__setattr__(self, "rope_scaling", RopeScaling(**self.rope_scaling))
+        for name in ("sliding_layers", "moe_layers"):
+            value = getattr(self, name)
+            assert not value or len(value) == self.num_layers, (name, len(value))
+        assert (self.sliding_window is not None) == any(self.sliding_layers), "window and layers"
+
+    def sliding(self, layer: int) -> bool:
+        return bool(self.sliding_layers) and self.sliding_layers[layer]
+
+    def sparse(self, layer: int) -> bool:
+        return self.num_experts > 0 and (not self.moe_layers or self.moe_layers[layer])
 
 
-class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float) -> None:
-        super().__init__()
-        self.eps = eps
-        self.weight = nn.Parameter(torch.ones(dim))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x32 = x.float()
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x32.to(x.dtype)
-
-
-def rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-
-
-def region_view(cache: torch.Tensor, rows: int, region: int, length: int) -> torch.Tensor:
-    """cache [Hkv, S, D] seen as each row's own region: [R, Hkv, L, D], row r's slots
-    r * region .. r * region + L - 1 (a view, no copy; needs R * region <= S, L <= region)."""
-    kv_heads, _, dim = cache.shape
-    assert length <= region and rows * region <= cache.shape[1]
-    return (
-        cache[:, : rows * region].view(kv_heads, rows, region, dim)[:, :, :length].transpose(0, 1)
-    )
-
-
-class Attention(nn.Module):
-    def __init__(self, cfg: TransformerConfig) -> None:
-        super().__init__()
-        self.cfg = cfg
-        q_out = cfg.num_heads * cfg.head_dim
-        kv_out = cfg.num_kv_heads * cfg.head_dim
-        self.split = (q_out, kv_out, kv_out)
-        self.wqkv = nn.Linear(cfg.hidden_size, q_out + 2 * kv_out, bias=cfg.attention_bias)
-        self.wo = nn.Linear(q_out, cfg.hidden_size, bias=False)
-        # passes of at most rows_apart_upto rows score each query row in its own 1-row SDPA
-        # call, so a row's output does not depend on how many rows the pass holds: SDPA's
-        # blocking does, and so does its batch size (batch 1 vs 2+ differ on some CPUs, seen
-        # on an AVX-512 EPYC; a loop of 1-row calls costs what one batched call does there).
-        # 0 = off. Longer passes (a prompt's chunks) stay batched.
-        self.rows_apart_upto = 0
-
-    def forward(
-        self,
-        x: torch.Tensor,  # [R, hidden]
-        cos: torch.Tensor,  # [R, head_dim]
-        sin: torch.Tensor,  # [R, head_dim]
-        slots: torch.Tensor,  # [R]
-        mask: torch.Tensor,  # [R, L]
-        k_cache: torch.Tensor,  # [kv_heads, S, head_dim]
-        v_cache: torch.Tensor,  # [kv_heads, S, head_dim]
-        key_slots: torch.Tensor | None = None,  # [R, L]
-        split: SplitKeys | None = None,
-        regions: int | None = None,
-    ) -> torch.Tensor:
-        """Attention of rows x over the cache after writing their keys/values to `slots`:
-        one SDPA call under `mask`; with `key_slots`, each row over its own gathered keys
-        in a 1-row SDPA call (at most rows_apart_upto rows); with `split` (padded decode
-        passes), split_attention, exact for tree nodes; with `regions` (batch work), row r
-        over its own region of the cache, slots r * regions + j for j < L, under mask[r]."""
-        cfg = self.cfg
-        rows = x.shape[0]
-        q, k, v = self.wqkv(x).split(self.split, dim=-1)
-        q = q.view(rows, cfg.num_heads, cfg.head_dim).transpose(0, 1)  # [H, R, D]
-        k = k.view(rows, cfg.num_kv_heads, cfg.head_dim).transpose(0, 1)  # [Hkv, R, D]
-        v = v.view(rows, cfg.num_kv_heads, cfg.head_dim).transpose(0, 1)  # [Hkv, R, D]
-        q = q * cos + rotate_half(q) * sin
-        k = k * cos + rotate_half(k) * sin
-        # (a no-op cast except under autocast in training, where v comes out in bf16)
-        k_cache.index_copy_(1, slots, k.to(k_cache.dtype))
-        v_cache.index_copy_(1, slots, v.to(v_cache.dtype))
-        if split is not None:
-            out = split_attention(q, k_cache, v_cache, split)  # [R, H, D]
-            return self.wo(out.reshape(rows, -1))
-        length = mask.shape[-1]
-        gqa = cfg.num_heads != cfg.num_kv_heads
-        if regions is not None:  # rows as SDPA's batch, each over its own region: no gather
-            keys = region_view(k_cache, rows, regions, length)  # [R, Hkv, L, D]
-            values = region_view(v_cache, rows, regions, length)
-            out = F.scaled_dot_product_attention(
-                q.transpose(0, 1)[:, :, None], keys, values, attn_mask=mask[:, None, None],
-                enable_gqa=gqa,
-            )  # [R, H, 1, D]  # fmt: skip
-            return self.wo(out.reshape(rows, -1))
-        keys, values = k_cache[None, :, :length], v_cache[None, :, :length]  # [1, Hkv, L, D]
-        if key_slots is not None:  # each row its own keys, gathered in the order given
-            assert rows <= self.rows_apart_upto, "key_slots needs per-row attention"
-            keys = k_cache[:, key_slots].transpose(0, 1)  # [R, Hkv, L, D]
-            values = v_cache[:, key_slots].transpose(0, 1)  # [R, Hkv, L, D]
-        if rows <= self.rows_apart_upto:  # each query row its own call, the shape of a 1-row pass
-            per_row = keys.shape[0] > 1
-            out = torch.cat(
-                [
-                    F.scaled_dot_product_attention(
-                        q[None, :, r : r + 1],  # [1, H, 1, D]
-                        keys[r : r + 1] if per_row else keys,  # [1, Hkv, L, D]
-                        values[r : r + 1] if per_row else values,
-                        attn_mask=mask[r : r + 1],  # [1, L]
-                        enable_gqa=gqa,
-                    )[0, :, 0]  # [H, D]
-                    for r in range(rows)
-                ]
-            ).view(rows, cfg.num_heads, cfg.head_dim)  # [R, H, D]
-        else:
-            out = F.scaled_dot_product_attention(
-                q[None], keys, values, attn_mask=mask, enable_gqa=gqa
-            )[0].transpose(0, 1)  # [R, H, D]
-        return self.wo(out.reshape(rows, -1))
-
-
-class MLP(nn.Module):
-    def __init__(self, cfg: TransformerConfig) -> None:
-        super().__init__()
-        self.inter = cfg.intermediate_size
-        self.w_gate_up = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
-        self.w_down = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.w_gate_up(x).split(self.inter, dim=-1)
-        return self.w_down(F.silu(gate) * up)
+def softcap(x: torch.Tensor, cap: float) -> torch.Tensor:
+    return torch.tanh(x / cap) * cap
 
 
 class Block(nn.Module):
-    def __init__(self, cfg: TransformerConfig) -> None:
+    """One decoder layer: x + attn(norm(x)), then x + mlp(norm(x)); with sandwich norms
+    (Gemma) each branch's output is normalised again before it is added."""
+
+    def __init__(self, cfg: TransformerConfig, index: int = 0) -> None:
         super().__init__()
-        self.attn_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        hidden, eps, offset = cfg.hidden_size, cfg.rms_norm_eps, cfg.norm_unit_offset
+        self.attn_norm = make_norm(hidden, eps, offset)
         self.attn = Attention(cfg)
-        self.mlp_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp = MLP(cfg)
+        self.mlp_norm = make_norm(hidden, eps, offset)
+        self.mlp: nn.Module = MLP(hidden, cfg.intermediate_size, cfg.hidden_act)
+        if cfg.sparse(index):
+            self.mlp = SparseMoE(
+                hidden, cfg.moe_intermediate_size, cfg.hidden_act, cfg.num_experts,
+                cfg.experts_per_token, cfg.normalize_expert_weights,
+                cfg.expert_weights_in_float32,
+            )  # fmt: skip
+        self.post_attn_norm = self.post_mlp_norm = nn.Identity()
+        if cfg.sandwich_norms:
+            self.post_attn_norm = make_norm(hidden, eps, offset)
+            self.post_mlp_norm = make_norm(hidden, eps, offset)
+        self.sliding = cfg.sliding(index)  # sees the last sliding_window positions only
+        self.rope = 1 if self.sliding and cfg.local_rope_theta is not None else 0  # which rope
 
 
 class Transformer(nn.Module):
@@ -188,13 +149,17 @@ class Transformer(nn.Module):
         super().__init__()
         self.cfg = cfg
         self.embed = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(Block(cfg) for _ in range(cfg.num_layers))
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.layers = nn.ModuleList(Block(cfg, i) for i in range(cfg.num_layers))
+        self.norm = make_norm(cfg.hidden_size, cfg.rms_norm_eps, cfg.norm_unit_offset)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.k_cache: list[torch.Tensor] = []
         self.v_cache: list[torch.Tensor] = []
-        exponents = torch.arange(0, cfg.head_dim, 2, dtype=torch.float32, device="cpu")
-        self.inv_freq = 1.0 / (cfg.rope_theta ** (exponents / cfg.head_dim))  # [D/2], not a weight
+        dim, positions = cfg.rotary_dim or cfg.head_dim, cfg.max_position_embeddings
+        # not weights: [global rope, Gemma 3's local rope]; Block.rope picks one
+        self.rotaries = [Rotary(cfg.rope_theta, dim, cfg.rope_scaling, positions)]
+        if cfg.local_rope_theta is not None:
+            self.rotaries.append(Rotary(cfg.local_rope_theta, dim, None, positions))
+        self.windowed = any(layer.sliding for layer in self.layers)
 
     # (the final norm's weight, not the embedding's: an embedding from GGUF blocks,
     # kernels/qgemm.py, has no dense weight to ask)
@@ -210,6 +175,12 @@ class Transformer(nn.Module):
     def cache_slots(self) -> int:
         return self.k_cache[0].shape[1] if self.k_cache else 0
 
+    @property
+    def exact_context(self) -> int | None:
+        """Tokens up to which the rope is transformers' own in every pass (None: any); see
+        models/rope.py ("dynamic" and "longrope" change with the sequence's length)."""
+        return exact_positions(self.cfg.rope_scaling, self.cfg.max_position_embeddings)
+
     def allocate_cache(self, slots: int) -> None:
         """Preallocate the KV cache (zeroed, so unused slots hold finite values)."""
         cfg = self.cfg
@@ -223,9 +194,15 @@ class Transformer(nn.Module):
             ]
 
     def rotary(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        freqs = positions.float()[:, None] * self.inv_freq.to(positions.device)[None]  # [R, D/2]
-        emb = torch.cat((freqs, freqs), dim=-1)  # [R, D]
-        return emb.cos().to(self.dtype), emb.sin().to(self.dtype)
+        """cos, sin [R, rotary_dim] of the global rope at positions [R]."""
+        return self.rotaries[0](positions, self.dtype)
+
+    def embed_tokens(self, tokens: torch.Tensor) -> torch.Tensor:  # [R] -> [R, hidden]
+        x = self.embed(tokens)
+        if self.cfg.embed_scale is None:
+            return x
+        scale = torch.tensor(self.cfg.embed_scale, dtype=torch.float32).to(x.dtype)
+        return x * scale.to(x.device)
 
     def hidden_states(
         self,
@@ -240,15 +217,32 @@ class Transformer(nn.Module):
         """Run the layers; write the rows' keys/values into `slots`. Returns [R, hidden].
         `regions` (batch work, head/self_text.py): row r attends to its own region of the
         cache only, slots r * regions .. r * regions + L - 1 under mask [R, L]."""
-        x = self.embed(tokens)
-        cos, sin = self.rotary(positions)
+        x = self.embed_tokens(tokens)
+        ropes = [rotary(positions, self.dtype) for rotary in self.rotaries]
+        views = [(mask, split)]  # [full attention, sliding window]
+        if self.windowed:
+            window = self.cfg.sliding_window
+            assert window is not None
+            columns = torch.arange(mask.shape[-1], device=mask.device)[None]  # [1, L]
+            near = mask & (columns > (positions - window)[:, None])  # [R, L]
+            views.append((near, None if split is None else within_window(split, window)))
         for layer, k_cache, v_cache in zip(self.layers, self.k_cache, self.v_cache, strict=True):
-            attn_in = layer.attn_norm(x)
-            x = x + layer.attn(
-                attn_in, cos, sin, slots, mask, k_cache, v_cache, key_slots, split, regions
-            )
-            x = x + layer.mlp(layer.mlp_norm(x))
+            cos, sin = ropes[layer.rope]
+            layer_mask, layer_split = views[layer.sliding]
+            attn = layer.attn(
+                layer.attn_norm(x), cos, sin, slots, layer_mask, k_cache, v_cache, key_slots,
+                layer_split, regions,
+            )  # fmt: skip
+            x = x + layer.post_attn_norm(attn)
+            x = x + layer.post_mlp_norm(layer.mlp(layer.mlp_norm(x)))
         return self.norm(x)
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """[R, hidden] final hidden states -> [R, vocab] float32 logits (capped for Gemma 2)."""
+        out = self.lm_head(hidden)
+        if self.cfg.final_softcap is not None:
+            out = softcap(out, self.cfg.final_softcap)
+        return out.float()
 
     def forward(
         self,
@@ -264,7 +258,7 @@ class Transformer(nn.Module):
         h = self.hidden_states(tokens, positions, slots, mask, key_slots, split)
         if logit_rows is not None:
             h = h[logit_rows]
-        return self.lm_head(h).float()
+        return self.logits(h)
 
     def keep_slots(self, src: torch.Tensor, dst_start: int) -> None:
         """Copy the KV of cache slots `src` [n] to slots dst_start..dst_start+n-1 (tree paths)."""

@@ -1,0 +1,166 @@
+"""Grouped-query attention over the slot-indexed KV cache (models/transformer.py).
+
+Per layer, chosen once at build time: q/k biases (Qwen2), a per-head RMSNorm of q and k
+before the rotation (Qwen3, Gemma 3), rotation of the first `rotary_dim` features only
+(Phi-4-mini's partial rotary), the score scale (Gemma's query_pre_attn_scalar) and a
+tanh soft cap on the scores (Gemma 2). A sliding window needs nothing here: the layer is
+handed a mask (or split) that already hides keys outside its window.
+
+Every path keeps the invariant of models/runner.py: a row's output depends on its own query
+and the keys it may see, not on the other rows of the pass (per-row calls up to
+`rows_apart_upto` rows; split_attention for padded decode passes).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from functools import partial
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from understudy.models.norms import make_norm
+from understudy.models.split_attention import SplitKeys, split_attention
+
+# (q [B, H, R, D], keys [B, Hkv, L, D], values, mask bool [.., R, L], gqa) -> [B, H, R, D]
+Attend = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, bool], torch.Tensor]
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x [H, R, D] rotated by cos/sin [R, D]."""
+    return x * cos + rotate_half(x) * sin
+
+
+def rotate_partial(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x [H, R, D]: its first cos.shape[-1] features rotated, the rest passed through."""
+    dim = cos.shape[-1]
+    return torch.cat([rotate(x[..., :dim], cos, sin), x[..., dim:]], dim=-1)
+
+
+def sdpa(q, keys, values, mask, gqa, scale: float | None = None) -> torch.Tensor:
+    return F.scaled_dot_product_attention(
+        q, keys, values, attn_mask=mask, enable_gqa=gqa, scale=scale
+    )
+
+
+def softcapped(q, keys, values, mask, gqa, scale: float, softcap: float) -> torch.Tensor:
+    """transformers' eager attention with Gemma 2's soft cap (SDPA has none): scores * scale,
+    tanh(s / cap) * cap, masked, softmax in float32, times values."""
+    if gqa:
+        group = q.shape[-3] // keys.shape[-3]
+        keys = keys.repeat_interleave(group, dim=-3)
+        values = values.repeat_interleave(group, dim=-3)
+    scores = torch.matmul(q, keys.transpose(-1, -2)) * scale  # [B, H, R, L]
+    scores = torch.tanh(scores / softcap) * softcap
+    scores = scores.masked_fill(~mask, float("-inf"))
+    probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+    return torch.matmul(probs, values)
+
+
+def region_view(cache: torch.Tensor, rows: int, region: int, length: int) -> torch.Tensor:
+    """cache [Hkv, S, D] seen as each row's own region: [R, Hkv, L, D], row r's slots
+    r * region .. r * region + L - 1 (a view, no copy; needs R * region <= S, L <= region)."""
+    kv_heads, _, dim = cache.shape
+    assert length <= region and rows * region <= cache.shape[1]
+    return (
+        cache[:, : rows * region].view(kv_heads, rows, region, dim)[:, :, :length].transpose(0, 1)
+    )
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg) -> None:  # cfg: TransformerConfig
+        super().__init__()
+        self.cfg = cfg
+        q_out = cfg.num_heads * cfg.head_dim
+        kv_out = cfg.num_kv_heads * cfg.head_dim
+        self.split = (q_out, kv_out, kv_out)
+        self.wqkv = nn.Linear(cfg.hidden_size, q_out + 2 * kv_out, bias=cfg.attention_bias)
+        self.wo = nn.Linear(q_out, cfg.hidden_size, bias=False)
+        self.q_norm = self.k_norm = nn.Identity()
+        if cfg.qk_norm:
+            self.q_norm = make_norm(cfg.head_dim, cfg.rms_norm_eps, cfg.norm_unit_offset)
+            self.k_norm = make_norm(cfg.head_dim, cfg.rms_norm_eps, cfg.norm_unit_offset)
+        full = cfg.rotary_dim in (None, cfg.head_dim)
+        self.rotate = rotate if full else rotate_partial
+        self.scale = cfg.attn_scale  # None: SDPA's own head_dim ** -0.5
+        softcap = cfg.attn_softcap
+        self.softcap = softcap
+        if softcap is None:
+            self.attend: Attend = partial(sdpa, scale=self.scale)
+        else:
+            scale = cfg.head_dim**-0.5 if self.scale is None else self.scale
+            self.attend = partial(softcapped, scale=scale, softcap=softcap)
+        # passes of at most rows_apart_upto rows score each query row in its own 1-row
+        # attention call, so a row's output does not depend on how many rows the pass holds:
+        # SDPA's blocking does, and so does its batch size (batch 1 vs 2+ differ on some CPUs,
+        # seen on an AVX-512 EPYC; a loop of 1-row calls costs what one batched call does
+        # there). 0 = off. Longer passes (a prompt's chunks) stay batched.
+        self.rows_apart_upto = 0
+
+    def forward(
+        self,
+        x: torch.Tensor,  # [R, hidden]
+        cos: torch.Tensor,  # [R, rotary_dim]
+        sin: torch.Tensor,  # [R, rotary_dim]
+        slots: torch.Tensor,  # [R]
+        mask: torch.Tensor,  # [R, L]
+        k_cache: torch.Tensor,  # [kv_heads, S, head_dim]
+        v_cache: torch.Tensor,  # [kv_heads, S, head_dim]
+        key_slots: torch.Tensor | None = None,  # [R, L]
+        split: SplitKeys | None = None,
+        regions: int | None = None,
+    ) -> torch.Tensor:
+        """Attention of rows x over the cache after writing their keys/values to `slots`:
+        one call under `mask`; with `key_slots`, each row over its own gathered keys in a
+        1-row call (at most rows_apart_upto rows); with `split` (padded decode passes),
+        split_attention, exact for tree nodes; with `regions` (batch work), row r over its
+        own region of the cache, slots r * regions + j for j < L, under mask[r]."""
+        cfg = self.cfg
+        rows = x.shape[0]
+        q, k, v = self.wqkv(x).split(self.split, dim=-1)
+        q = self.q_norm(q.view(rows, cfg.num_heads, cfg.head_dim)).transpose(0, 1)  # [H, R, D]
+        k = self.k_norm(k.view(rows, cfg.num_kv_heads, cfg.head_dim)).transpose(0, 1)
+        v = v.view(rows, cfg.num_kv_heads, cfg.head_dim).transpose(0, 1)  # [Hkv, R, D]
+        q = self.rotate(q, cos, sin)
+        k = self.rotate(k, cos, sin)  # [Hkv, R, D]
+        # (a no-op cast except under autocast in training, where v comes out in bf16)
+        k_cache.index_copy_(1, slots, k.to(k_cache.dtype))
+        v_cache.index_copy_(1, slots, v.to(v_cache.dtype))
+        if split is not None:
+            out = split_attention(q, k_cache, v_cache, split, self.scale, self.softcap)
+            return self.wo(out.reshape(rows, -1))  # out: [R, H, D]
+        length = mask.shape[-1]
+        gqa = cfg.num_heads != cfg.num_kv_heads
+        if regions is not None:  # rows as the batch, each over its own region: no gather
+            keys = region_view(k_cache, rows, regions, length)  # [R, Hkv, L, D]
+            values = region_view(v_cache, rows, regions, length)
+            out = self.attend(q.transpose(0, 1)[:, :, None], keys, values, mask[:, None, None], gqa)
+            return self.wo(out.reshape(rows, -1))  # out: [R, H, 1, D]
+        keys, values = k_cache[None, :, :length], v_cache[None, :, :length]  # [1, Hkv, L, D]
+        if key_slots is not None:  # each row its own keys, gathered in the order given
+            assert rows <= self.rows_apart_upto, "key_slots needs per-row attention"
+            keys = k_cache[:, key_slots].transpose(0, 1)  # [R, Hkv, L, D]
+            values = v_cache[:, key_slots].transpose(0, 1)  # [R, Hkv, L, D]
+        if rows <= self.rows_apart_upto:  # each query row its own call, the shape of a 1-row pass
+            per_row = keys.shape[0] > 1
+            out = torch.cat(
+                [
+                    self.attend(
+                        q[None, :, r : r + 1],  # [1, H, 1, D]
+                        keys[r : r + 1] if per_row else keys,  # [1, Hkv, L, D]
+                        values[r : r + 1] if per_row else values,
+                        mask[r : r + 1],  # [1, L]
+                        gqa,
+                    )[0, :, 0]  # [H, D]
+                    for r in range(rows)
+                ]
+            ).view(rows, cfg.num_heads, cfg.head_dim)  # [R, H, D]
+        else:
+            out = self.attend(q[None], keys, values, mask, gqa)[0].transpose(0, 1)  # [R, H, D]
+        return self.wo(out.reshape(rows, -1))
