@@ -2,12 +2,10 @@
 
     python -m understudy.cli.serve [--target T] [--draft D] [--method M] [-k K|auto]
                                    [--host 127.0.0.1] [--port 8000] [--api-key KEY]
+                                   [--replicas N [--ray-address ADDR]]
 
 Binds to 127.0.0.1 unless told otherwise. SIGTERM (or Ctrl-C) stops accepting connections,
 lets the requests in flight finish (up to --drain-timeout seconds), then exits with status 0.
-No connection stays open for nothing: its request head must arrive within --header-timeout
-seconds, its body within --body-timeout, and an idle keep-alive connection closes after
---keep-alive-timeout.
 """
 
 from __future__ import annotations
@@ -40,13 +38,9 @@ def serve(
         str | None,
         typer.Option(
             envvar="UNDERSTUDY_API_KEY",
-            help="Require 'Authorization: Bearer KEY' on /v1, the Lab's API and /metrics "
-            "(/health and the Lab's page stay open). Visible ASCII characters only.",
+            help="Require 'Authorization: Bearer KEY' on /v1 requests (and Lab runs).",
         ),
     ] = None,
-    public_metrics: Annotated[
-        bool, typer.Option(help="Serve /metrics without the API key.")
-    ] = False,
     max_queue: Annotated[
         int, typer.Option(help="Requests that may wait while one runs; more get HTTP 429.")
     ] = 64,
@@ -56,24 +50,33 @@ def serve(
     dtype: Annotated[str, typer.Option(help="auto | float32 | bfloat16 | float16")] = "auto",
     max_context: Annotated[int, typer.Option(help="Prompt + generation, in tokens.")] = 4096,
     max_body_bytes: Annotated[int, typer.Option(help="Largest request body accepted.")] = 1 << 20,
-    header_timeout: Annotated[
-        float,
-        typer.Option(
-            help="Seconds a connection may take to send a request's head (line and headers), "
-            "from its opening or its previous response; then it is closed."
-        ),
-    ] = 10.0,
-    body_timeout: Annotated[
-        float,
-        typer.Option(help="Seconds a request's whole body may take to arrive; then HTTP 408."),
-    ] = 30.0,
-    keep_alive_timeout: Annotated[
-        int, typer.Option(help="Seconds an idle keep-alive connection stays open.")
-    ] = 5,
     drain_timeout: Annotated[
         float, typer.Option(help="On SIGTERM, seconds to let requests in flight finish.")
     ] = 120.0,
     log_level: Annotated[str, typer.Option(help="uvicorn log level.")] = "info",
+    replicas: Annotated[
+        int | None,
+        typer.Option(
+            help="Serve N engine replicas through Ray Serve (each loads the models once); "
+            "without it, one engine in this process."
+        ),
+    ] = None,
+    ray_address: Annotated[
+        str | None,
+        typer.Option(
+            help="With --replicas: join the Ray cluster at this address (e.g. HOST:6379, "
+            "or auto); without it a private Ray instance on 127.0.0.1 is started."
+        ),
+    ] = None,
+    min_replicas: Annotated[
+        int | None, typer.Option(help="With --replicas: autoscale down to this many.")
+    ] = None,
+    max_replicas: Annotated[
+        int | None, typer.Option(help="With --replicas: autoscale up to this many.")
+    ] = None,
+    replica_cpus: Annotated[
+        float, typer.Option(help="With --replicas: CPUs Ray reserves for each replica.")
+    ] = 1.0,
 ) -> None:
     """Serve the engine over OpenAI's HTTP API, with the live Lab at /lab."""
     from rich.console import Console
@@ -90,47 +93,52 @@ def serve(
         fail(f"--max-queue must be >= 0, got {max_queue}")
     if max_body_bytes < 1024:
         fail(f"--max-body-bytes must be at least 1024, got {max_body_bytes}")
-    for flag, seconds in (("--header-timeout", header_timeout), ("--body-timeout", body_timeout),
-                          ("--keep-alive-timeout", keep_alive_timeout)):  # fmt: skip
-        if not 0 < seconds < float("inf"):
-            fail(f"{flag} must be a positive number of seconds, got {seconds}")
     try:
         import uvicorn
 
         from understudy.server import create_app
-        from understudy.server.guard import api_key_problem, head_timeout_protocol
     except ImportError as error:
         fail(f"serving needs fastapi and uvicorn ({error}): pip install 'understudy[serve]'")
         return
-    problem = api_key_problem(api_key)
-    if problem is not None:
-        fail(f"--api-key (or UNDERSTUDY_API_KEY): {problem}")
 
     from understudy.config import UnderstudyError
     from understudy.engine.engine import Engine
 
-    err.print(f"loading {target or 'the default pair'} (method={method}, k={k}) ...")
-    try:
-        engine = Engine.from_pretrained(
-            target=target,
-            draft=draft,
-            method=method,
-            num_speculative_tokens=k,
-            dtype=dtype,
-            max_context=max_context,
-        )
-    except UnderstudyError as error:
-        fail(str(error))
-        return
-    app = create_app(
-        engine,
+    engine_options = dict(
+        target=target,
+        draft=draft,
+        method=method,
+        num_speculative_tokens=k,
+        dtype=dtype,
+        max_context=max_context,
+    )
+    app_options = dict(
         api_key=api_key,
         max_queue=max_queue,
         model_name=served_model_name,
         max_body_bytes=max_body_bytes,
-        public_metrics=public_metrics,
-        body_timeout_s=body_timeout,
     )
+    uvicorn_options = dict(
+        host=host,
+        port=port,
+        log_level=log_level,
+        timeout_graceful_shutdown=drain_timeout,
+    )
+    if any(flag is not None for flag in (replicas, ray_address, min_replicas, max_replicas)):
+        from understudy.cli.serve_replicas import serve_on_replicas
+
+        serve_on_replicas(
+            err, fail, engine_options, app_options, uvicorn_options,
+            replicas, min_replicas, max_replicas, replica_cpus, ray_address,
+        )  # fmt: skip
+        return
+    err.print(f"loading {target or 'the default pair'} (method={method}, k={k}) ...")
+    try:
+        engine = Engine.from_pretrained(**engine_options)
+    except UnderstudyError as error:
+        fail(str(error))
+        return
+    app = create_app(engine, **app_options)
     name = app.state.model_name
     shown = f"[{host}]" if ":" in host else host
     err.print(
@@ -143,15 +151,7 @@ def serve(
     # so a drained server exits with status 0 instead of dying by the signal.
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, _drained)
-    uvicorn.run(
-        app,
-        host=host,
-        port=port,
-        log_level=log_level,
-        timeout_graceful_shutdown=drain_timeout,
-        timeout_keep_alive=keep_alive_timeout,
-        http=head_timeout_protocol(header_timeout),
-    )
+    uvicorn.run(app, **uvicorn_options)
 
 
 def _drained(signum: int, frame: object) -> None:
