@@ -6,6 +6,9 @@
 
 Binds to 127.0.0.1 unless told otherwise. SIGTERM (or Ctrl-C) stops accepting connections,
 lets the requests in flight finish (up to --drain-timeout seconds), then exits with status 0.
+No connection stays open for nothing: its request head must arrive within --header-timeout
+seconds, its body within --body-timeout, and an idle keep-alive connection closes after
+--keep-alive-timeout.
 """
 
 from __future__ import annotations
@@ -38,9 +41,13 @@ def serve(
         str | None,
         typer.Option(
             envvar="UNDERSTUDY_API_KEY",
-            help="Require 'Authorization: Bearer KEY' on /v1 requests (and Lab runs).",
+            help="Require 'Authorization: Bearer KEY' on /v1, the Lab's API and /metrics "
+            "(/health and the Lab's page stay open). Visible ASCII characters only.",
         ),
     ] = None,
+    public_metrics: Annotated[
+        bool, typer.Option(help="Serve /metrics without the API key.")
+    ] = False,
     max_queue: Annotated[
         int, typer.Option(help="Requests that may wait while one runs; more get HTTP 429.")
     ] = 64,
@@ -50,6 +57,20 @@ def serve(
     dtype: Annotated[str, typer.Option(help="auto | float32 | bfloat16 | float16")] = "auto",
     max_context: Annotated[int, typer.Option(help="Prompt + generation, in tokens.")] = 4096,
     max_body_bytes: Annotated[int, typer.Option(help="Largest request body accepted.")] = 1 << 20,
+    header_timeout: Annotated[
+        float,
+        typer.Option(
+            help="Seconds a connection may take to send a request's head (line and headers), "
+            "from its opening or its previous response; then it is closed."
+        ),
+    ] = 10.0,
+    body_timeout: Annotated[
+        float,
+        typer.Option(help="Seconds a request's whole body may take to arrive; then HTTP 408."),
+    ] = 30.0,
+    keep_alive_timeout: Annotated[
+        int, typer.Option(help="Seconds an idle keep-alive connection stays open.")
+    ] = 5,
     drain_timeout: Annotated[
         float, typer.Option(help="On SIGTERM, seconds to let requests in flight finish.")
     ] = 120.0,
@@ -93,13 +114,21 @@ def serve(
         fail(f"--max-queue must be >= 0, got {max_queue}")
     if max_body_bytes < 1024:
         fail(f"--max-body-bytes must be at least 1024, got {max_body_bytes}")
+    for flag, seconds in (("--header-timeout", header_timeout), ("--body-timeout", body_timeout),
+                          ("--keep-alive-timeout", keep_alive_timeout)):  # fmt: skip
+        if not 0 < seconds < float("inf"):
+            fail(f"{flag} must be a positive number of seconds, got {seconds}")
     try:
         import uvicorn
 
         from understudy.server import create_app
+        from understudy.server.guard import api_key_problem, head_timeout_protocol
     except ImportError as error:
         fail(f"serving needs fastapi and uvicorn ({error}): pip install 'understudy[serve]'")
         return
+    problem = api_key_problem(api_key)
+    if problem is not None:
+        fail(f"--api-key (or UNDERSTUDY_API_KEY): {problem}")
 
     from understudy.config import UnderstudyError
     from understudy.engine.engine import Engine
@@ -117,12 +146,16 @@ def serve(
         max_queue=max_queue,
         model_name=served_model_name,
         max_body_bytes=max_body_bytes,
+        public_metrics=public_metrics,
+        body_timeout_s=body_timeout,
     )
     uvicorn_options = dict(
         host=host,
         port=port,
         log_level=log_level,
         timeout_graceful_shutdown=drain_timeout,
+        timeout_keep_alive=keep_alive_timeout,
+        http=head_timeout_protocol(header_timeout),
     )
     if any(flag is not None for flag in (replicas, ray_address, min_replicas, max_replicas)):
         from understudy.cli.serve_replicas import serve_on_replicas

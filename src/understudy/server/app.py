@@ -2,7 +2,8 @@
 
 Routes: GET /health, GET /v1/models, POST /v1/completions, POST /v1/chat/completions
 (`stream: true` answers with server-sent events, the last chunk carrying `usage` and the
-speculative stats), GET /metrics (Prometheus text) and the Lab (/lab, see lab.py).
+speculative stats), GET /metrics (Prometheus text) and the Lab (/lab, see lab.py). Every
+status a route can answer is in /openapi.json (openapi.py); no client input gives a 500.
 
 Every response that generated text carries the request's speculative statistics, named as
 in DESIGN.md section 2, under `metrics.speculative_decoding` (vLLM reports per-request
@@ -19,18 +20,20 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
+from pathlib import Path
 from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from understudy.server.choices import Assembly
 from understudy.server.generation import account, generation_work
-from understudy.server.guard import Guard
+from understudy.server.guard import DEFAULT_BODY_TIMEOUT_S, Guard, api_key_problem
 from understudy.server.logprobs import TokenStrings
-from understudy.server.metrics import Metrics
+from understudy.server.metrics import CONTENT_TYPE, Metrics
+from understudy.server.openapi import error_responses, event_stream, plain_text
 from understudy.server.prepare import Plan, plan_chat, plan_completion
 from understudy.server.protocol import (
     SSE_HEADERS,
@@ -42,6 +45,7 @@ from understudy.server.protocol import (
     sse,
     validation_error,
 )
+from understudy.server.text_check import refuse_lone_surrogates
 from understudy.server.worker import Job, QueueFull, Worker
 
 log = logging.getLogger("understudy.server")
@@ -58,13 +62,20 @@ def create_app(
     max_queue: int = DEFAULT_MAX_QUEUE,
     model_name: str | None = None,
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+    public_metrics: bool = False,
+    body_timeout_s: float = DEFAULT_BODY_TIMEOUT_S,
     replicas: Callable[[], Awaitable[int]] | None = None,
 ) -> FastAPI:
     """The ASGI application serving `engine` (an understudy Engine; it is used from one
-    worker thread only). `model_name` is the id clients send as `model` (default: the
-    target's name). `replicas` (set by replica.py when Ray Serve runs several copies of this
-    app) counts the running copies for /health."""
-    name = model_name or getattr(getattr(engine, "target", None), "name", None) or "understudy"
+    worker thread only). `model_name` is the id clients send as `model` (default:
+    `served_name` of the target). With `api_key`, /v1, the Lab's API and /metrics (unless
+    `public_metrics`) need it; an API key no HTTP client can send is a ValueError.
+    `replicas` (set by replica.py when Ray Serve runs several copies of this app) counts the
+    running copies for /health."""
+    problem = api_key_problem(api_key)
+    if problem is not None:
+        raise ValueError(problem)
+    name = model_name or served_name(engine.target.name)
     worker = Worker(max_queue)
     metrics = Metrics(name, str(engine.method))
     created = int(time.time())
@@ -101,7 +112,8 @@ def create_app(
             else str(exc.detail)
         )
         error = APIError(exc.status_code, message, kind=kind)
-        return JSONResponse(error.body(), status_code=exc.status_code)
+        # a 405 carries Starlette's `Allow` header (the methods the route takes)
+        return JSONResponse(error.body(), status_code=exc.status_code, headers=exc.headers)
 
     @app.exception_handler(Exception)
     async def _internal(request: Request, exc: Exception) -> JSONResponse:
@@ -121,10 +133,17 @@ def create_app(
             report["replicas"] = await replicas()
         return report
 
-    @app.get("/metrics")
-    async def prometheus() -> PlainTextResponse:
+    auth = (401,) if api_key else ()
+    metrics_auth = () if public_metrics else auth
+
+    @app.get(
+        "/metrics",
+        response_class=Response,
+        responses={**plain_text("Prometheus text"), **error_responses(*metrics_auth)},
+    )
+    async def prometheus() -> Response:
         text = metrics.render(worker.running, worker.waiting)
-        return PlainTextResponse(text, media_type="text/plain; version=0.0.4; charset=utf-8")
+        return Response(text, media_type=CONTENT_TYPE)
 
     def model_card() -> dict[str, Any]:
         return {
@@ -135,11 +154,11 @@ def create_app(
             "max_model_len": engine.max_context,
         }
 
-    @app.get("/v1/models")
+    @app.get("/v1/models", responses=error_responses(*auth))
     async def models() -> dict[str, Any]:
         return {"object": "list", "data": [model_card()]}
 
-    @app.get("/v1/models/{model_id:path}")
+    @app.get("/v1/models/{model_id:path}", responses=error_responses(*auth, 404, 422))
     async def model(model_id: str) -> dict[str, Any]:
         check_model(model_id, "model_id")
         return model_card()
@@ -237,15 +256,22 @@ def create_app(
             job.cancel()  # the client went away (or we are done): stop generating
             await events.aclose()
 
-    @app.post("/v1/completions")
+    generating = {
+        **event_stream("The response; with `stream: true`, its chunks as server-sent events"),
+        **error_responses(400, *auth, 404, 408, 413, 422, 429, 500),
+    }
+
+    @app.post("/v1/completions", responses=generating)
     async def completions(body: CompletionRequest, request: Request) -> Response:
+        refuse_lone_surrogates(body)
         body.check_supported()
         check_model(body.model)
         plan = plan_completion(body, engine, COMPLETIONS_DEFAULT_MAX_TOKENS)
         return await generate(request, body, plan, chat=False)
 
-    @app.post("/v1/chat/completions")
+    @app.post("/v1/chat/completions", responses=generating)
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
+        refuse_lone_surrogates(body)
         body.check_supported()
         check_model(body.model)
         plan = plan_chat(body, engine, engine.max_context)  # default: until EOS or full context
@@ -255,5 +281,24 @@ def create_app(
 
     add_lab_routes(app, engine, submit, metrics, model_name=name, auth_required=bool(api_key))
 
-    app.add_middleware(Guard, api_key=api_key, max_body_bytes=max_body_bytes, metrics=metrics)
+    app.add_middleware(
+        Guard,
+        api_key=api_key,
+        max_body_bytes=max_body_bytes,
+        metrics=metrics,
+        public_metrics=public_metrics,
+        body_timeout_s=body_timeout_s,
+    )
     return app
+
+
+def served_name(target: str) -> str:
+    """The model id for a target as it was given: a registry name or hub id stays as it is;
+    a local file or directory is named by its base name (without a file's suffix), so no
+    response shows a path of the server's disk."""
+    path = Path(target).expanduser()
+    if path.is_file():
+        return path.stem
+    if path.is_dir():
+        return path.resolve().name
+    return target
