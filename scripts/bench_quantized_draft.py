@@ -58,7 +58,7 @@ def build(variants: list[str]) -> tuple[Engine, dict[str, torch.nn.Module], dict
     info["engine_load_s"] = time.perf_counter() - t0
     info["target_dtype"] = str(engine.target.model.dtype)
     info["verify_rows"] = engine.runner.rows
-    fp32 = engine.proposer.runner.model
+    fp32 = engine.drafter.runner.model
     drafts: dict[str, torch.nn.Module] = {}
     for name in variants:
         if name == "fp32":

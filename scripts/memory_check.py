@@ -24,7 +24,7 @@ def tensor_bytes(tensors) -> int:
 def main() -> None:
     engine = Engine.from_pretrained()
     engine.generate("def fib(n):\n", SamplingParams(max_tokens=64, temperature=0.0))
-    models = [engine.target.model, engine.proposer.runner.model]
+    models = [engine.target.model, engine.drafter.runner.model]
     weights = sum(tensor_bytes(m.parameters()) for m in models)
     caches = sum(tensor_bytes([*m.k_cache, *m.v_cache]) for m in models)
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux: KiB
