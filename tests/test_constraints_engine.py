@@ -2,11 +2,22 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
+import torch
 
 from understudy import Engine, SamplingParams
+from understudy.config import StructuredSpec
+from understudy.constraints import LogitsProcessor, build_processor
 
 PROMPT = "def add(a, b):"
+SCHEMA = {
+    "type": "object",
+    "properties": {"name": {"enum": ["add", "push"]}, "ok": {"type": "boolean"}},
+    "required": ["name", "ok"],
+    "additionalProperties": False,
+}
 
 
 @pytest.fixture(scope="module")
@@ -40,3 +51,105 @@ def test_include_stop_str_in_output_keeps_the_stop_string(plain):
     assert cut.text == text[:start]
     assert kept.text == text[: start + len(stop)]
     assert kept.stats.finish_reason == cut.stats.finish_reason == "stop"
+
+
+# -- lossless under processors ----------------------------------------------------------------
+
+PROCESSED = {
+    "penalties": dict(frequency_penalty=0.3, repetition_penalty=1.1),  # n-gram still drafts
+    "bias+min_tokens": dict(logit_bias={0: 8.0, 17: 5.0, 40: -100.0}, min_tokens=6),
+    "regex": dict(structured=StructuredSpec(regex="[a-z ]{4,30}\\(")),
+    "json": dict(structured=StructuredSpec(json_schema=SCHEMA)),
+    "all": dict(
+        frequency_penalty=0.5,
+        presence_penalty=0.3,
+        repetition_penalty=1.2,
+        logit_bias={17: 3.0},
+        min_tokens=3,
+        structured=StructuredSpec(regex="[a-z ]{0,30}"),
+    ),
+}
+PROMPTS = [  # the last two repeat themselves, so n-gram lookup finds drafts
+    "def add(a, b):",
+    "The quick brown",
+    "for i in range(10):\n    print(i)\nfor i in range(10):\n    print(i)\nfor i in",
+    "def push(self, x):\n        self.items.append(x)\n    def push(self, x):\n",
+]
+
+
+class DraftRowsRaw(LogitsProcessor):
+    """A WRONG wiring for mutation checks: the processor is applied to the last row of each
+    verify pass only, so drafted tokens are checked against the raw target."""
+
+    def __init__(self, inner: LogitsProcessor) -> None:
+        self.inner = inner
+
+    def begin(self, prompt_ids: list[int]) -> None:
+        self.inner.begin(prompt_ids)
+
+    def commit(self, tokens: list[int]) -> None:
+        self.inner.commit(tokens)
+
+    def process(self, logits: torch.Tensor, drafted: list[int]) -> torch.Tensor:
+        out = logits.clone()
+        out[-1:] = self.inner.process(logits, drafted)[-1:]
+        return out
+
+
+def mutate(monkeypatch) -> None:
+    import understudy.engine.engine as engine_module
+
+    def wrong(*args, **kwargs):
+        inner = build_processor(*args, **kwargs)
+        return None if inner is None else DraftRowsRaw(inner)
+
+    monkeypatch.setattr(engine_module, "build_processor", wrong)
+
+
+@pytest.fixture(scope="module")
+def speculative(tiny_pair):
+    target, draft = tiny_pair
+    return {
+        "draft": Engine.from_pretrained(
+            target=target, draft=draft, dtype="float32", num_speculative_tokens=4
+        ),
+        "ngram": Engine.from_pretrained(
+            target=target, method="ngram", dtype="float32", num_speculative_tokens=4
+        ),
+    }
+
+
+def greedy_outputs(engine, case: str) -> list[list[int]]:
+    params = SamplingParams(max_tokens=32, temperature=0.0, **PROCESSED[case])
+    return [engine.generate(p, params).token_ids for p in PROMPTS]
+
+
+@pytest.mark.parametrize("method", ["draft", "ngram"])
+@pytest.mark.parametrize("case", list(PROCESSED))
+def test_greedy_speculative_equals_plain_under_processors(speculative, plain, method, case):
+    engine = speculative[method]
+    drafted = 0
+    want = greedy_outputs(plain, case)
+    params = SamplingParams(max_tokens=32, temperature=0.0, **PROCESSED[case])
+    for prompt, expected in zip(PROMPTS, want, strict=True):
+        out = engine.generate(prompt, params)
+        assert out.token_ids == expected, f"{method}/{case} differs on {prompt!r}"
+        drafted += out.stats.drafted
+    assert drafted > 0  # speculation ran
+
+
+def test_processors_change_the_output(plain):
+    free = greedy_outputs(plain, "penalties")
+    params = SamplingParams(max_tokens=32, temperature=0.0)
+    assert free != [plain.generate(p, params).token_ids for p in PROMPTS]
+    for out in greedy_outputs(plain, "json"):
+        text = plain.tokenizer.decode(out[:-1])
+        assert out[-1] == 0 and isinstance(json.loads(text), dict), text
+
+
+def test_wrong_wiring_fails_greedy_identity(speculative, plain, monkeypatch):
+    """Mutation check: checking drafts against the raw target breaks the identity."""
+    want = {case: greedy_outputs(plain, case) for case in ("penalties", "bias+min_tokens")}
+    mutate(monkeypatch)
+    got = {case: greedy_outputs(speculative["draft"], case) for case in want}
+    assert got != want
