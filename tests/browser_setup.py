@@ -1,6 +1,6 @@
 """Set-up for the browser tests: a real headless Chromium driven by Playwright.
 
-Installs what is missing, once per test session, the way FACTS.md says works here: Debian's
+Installs what is missing, once per test session, the way that works on these machines: Debian's
 `chromium` package (apt-get) and the `playwright` Python package (pip). Never
 `playwright install` (it downloads its own browser). `make setup` never does any of this, so
 it cannot fail for want of a browser; where nothing can be installed the browser tests skip
@@ -102,5 +102,5 @@ def require_browser() -> None:
 
 
 def launch(playwright):
-    """Debian's Chromium, headless, with the flags FACTS.md found to work here."""
+    """Debian's Chromium, headless, with the flags found to work here."""
     return playwright.chromium.launch(executable_path=CHROMIUM, headless=True, args=CHROMIUM_FLAGS)

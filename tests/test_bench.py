@@ -141,7 +141,7 @@ def test_bench_bad_input_is_one_line(tiny_pair, prompt_file, tmp_path):
     assert "unknown method 'telepathy'" in result.output
     result = invoke(tiny_pair, prompt_file, tmp_path, "--methods", "none", "--compare", "vllm")
     assert result.exit_code == 2
-    assert "--compare takes hf or a comma list" in result.output
+    assert "--compare takes hf, llama.cpp or a comma list" in result.output
 
 
 def test_bench_one_peer_only(tiny_pair, prompt_file, tmp_path):

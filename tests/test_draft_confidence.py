@@ -84,10 +84,10 @@ def test_auto_confidence_follows_k(tiny_pair):
     chosen = Engine.from_pretrained(
         target=target, draft=draft, dtype="float32", draft_path_confidence=0.2
     )
-    assert automatic.proposer.path_confidence == AUTO_PATH_CONFIDENCE > 0
-    assert automatic.proposer.confidence == 0.0
-    assert fixed.proposer.path_confidence == 0.0 and not fixed.proposer.stops_by_confidence
-    assert chosen.proposer.path_confidence == 0.2
+    assert automatic.drafter.path_confidence == AUTO_PATH_CONFIDENCE > 0
+    assert automatic.drafter.confidence == 0.0
+    assert fixed.drafter.path_confidence == 0.0 and not fixed.drafter.stops_by_confidence
+    assert chosen.drafter.path_confidence == 0.2
 
 
 def test_path_confidence_stops_on_the_product(tiny_pair):
@@ -120,7 +120,7 @@ def test_automatic_k_drafts_until_doubt(tiny_pair):
     engine = Engine.from_pretrained(target=target, draft=draft, dtype="float32")
     # the per-token rule at a low bar (the tiny models' probabilities are low, so a product
     # of them would stop every round early): the draft rarely doubts, rounds should run long
-    engine.proposer.confidence, engine.proposer.path_confidence = 0.05, 0.0
+    engine.drafter.confidence, engine.drafter.path_confidence = 0.05, 0.0
     k_max = engine.runner.rows - 1
     plain = engine.with_method("none")
     params = SamplingParams(max_tokens=60, temperature=0.0, ignore_eos=True)
@@ -157,7 +157,7 @@ def test_calibration_observes_each_judged_guess(tiny_pair):
     including the first rejection of every committed round (the last round is not committed)."""
     target, draft = tiny_pair
     engine = Engine.from_pretrained(target=target, draft=draft, dtype="float32")
-    engine.proposer.path_confidence = 0.05  # the tiny draft's probabilities are low
+    engine.drafter.path_confidence = 0.05  # the tiny draft's probabilities are low
     params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
     rounds = []
     stream = engine.stream([5, 6, 7], params, on_round=rounds.append)
@@ -165,6 +165,6 @@ def test_calibration_observes_each_judged_guess(tiny_pair):
         pass
     judged = sum(min(r.accepted + 1, len(r.drafted)) for r in rounds[:-1])
     kept = sum(r.accepted for r in rounds[:-1])
-    calibration = engine.proposer.calibration
+    calibration = engine.drafter.calibration
     assert judged > 0 and sum(calibration.seen) == judged
     assert sum(calibration.kept) == kept

@@ -25,6 +25,7 @@ from understudy.head.train import TrainConfig, evaluate, training_autocast, unro
 from understudy.models.eagle_head import EagleHead, load_head
 from understudy.models.loader import load_model
 from understudy.models.quant import Int4Linear
+from understudy.policy.costs import Costs
 
 SETTINGS = HeadSettings(
     intermediate_size=96,
@@ -242,12 +243,12 @@ def test_default_drafts_trees_where_they_pay_and_keeps_identity(trained):
     engine = Engine.from_pretrained(
         target=target, method="eagle", draft=str(folder), dtype="float32"
     )
-    assert engine.tree_mode == "auto" and engine.tree and engine.proposer.branching == 4
+    assert engine.tree_mode == "auto" and engine.tree and engine.drafter.branching == 4
     assert engine.exact
     # on a CPU the head drafts in int4 (draft_quantization="auto"), its LM rows included
-    info = engine.proposer.head.quantization
+    info = engine.drafter.head.quantization
     assert info.scheme == "int4-g32" and "lm" in info.quantized and "fc" in info.quantized
-    assert isinstance(engine.proposer.head.fc, Int4Linear)
+    assert isinstance(engine.drafter.head.fc, Int4Linear)
     plain = engine.with_method("none")
     params = SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True)
     for prompt in random_prompts(3, seed=17):
@@ -265,10 +266,10 @@ def test_head_quantization_is_chosen_and_checked(trained):
             draft_quantization=quantization,
         )  # fmt: skip
 
-    dense = build(None).proposer.head
+    dense = build(None).drafter.head
     assert not hasattr(dense, "quantization") and type(dense.fc) is torch.nn.Linear
     engine = build("int8")
-    assert engine.proposer.head.quantization.scheme == "int8"
+    assert engine.drafter.head.quantization.scheme == "int8"
     assert accepted_in_greedy_identity(engine, random_prompts(3, seed=23), 32) > 0
     with pytest.raises(UnderstudyError, match="draft_quantization must be"):
         build("int3")
@@ -288,9 +289,9 @@ def test_tree_rounds_hand_the_head_the_kept_path(trained):
     assert out.stats.accepted > 0
     sequence = torch.tensor(prompt + out.token_ids)
     features, _ = target_features(load_model(target, "float32").model, sequence)
-    known = engine.proposer.known
+    known = engine.drafter.known
     assert known >= len(sequence) - 2
-    torch.testing.assert_close(engine.proposer.features[:known], features[:known])
+    torch.testing.assert_close(engine.drafter.features[:known], features[:known])
 
 
 def test_doubt_ends_rounds_and_keeps_identity(trained):
@@ -322,7 +323,7 @@ def test_doubt_ends_rounds_and_keeps_identity(trained):
             tree="off",
             **options,
         )
-        engine.cost_ratio, engine.row_cost = 0.3, 0.0
+        engine.costs = Costs(draft_step=0.3, row=0.0)
         lengths[name] = []
         for prompt in random_prompts(3, seed=17):
             rounds = []
@@ -333,7 +334,7 @@ def test_doubt_ends_rounds_and_keeps_identity(trained):
                 # every round but the last (the request ends with it: no later round could
                 # use what it would teach) counts its guesses up to the first rejected one
                 judged = sum(min(len(r.drafted), r.accepted + 1) for r in rounds[:-1])
-                assert sum(engine.proposer.calibration.seen) == judged
+                assert sum(engine.drafter.calibration.seen) == judged
     assert lengths["sure"] and set(lengths["sure"]) == {1}
     assert max(lengths["bold"]) > max(lengths["k"]), lengths
 
@@ -348,10 +349,10 @@ def test_doubt_options_settle_and_refuse_bad_values(trained):
             target=target, method="eagle", draft=str(folder), dtype="float32", **options
         )
 
-    assert build().proposer.path_confidence == AUTO_PATH_CONFIDENCE > 0
-    fixed = build(num_speculative_tokens=3).proposer
+    assert build().drafter.path_confidence == AUTO_PATH_CONFIDENCE > 0
+    fixed = build(num_speculative_tokens=3).drafter
     assert fixed.path_confidence == 0.0 and not fixed.stops_by_confidence
-    assert build(draft_confidence=0.3).proposer.confidence == 0.3
+    assert build(draft_confidence=0.3).drafter.confidence == 0.3
     for name in ("draft_confidence", "draft_path_confidence"):
         with pytest.raises(UnderstudyError, match=name):
             build(**{name: 1.5})

@@ -10,7 +10,7 @@ from scipy.stats import chisquare
 
 from understudy import Engine, SamplingParams, UnderstudyError
 from understudy.drafters import hybrid as hybrid_module
-from understudy.drafters.base import Proposal
+from understudy.drafters.base import Drafter, Proposal
 from understudy.drafters.hybrid import HybridProposer, LiveCostRatio, bucket, mixed_q
 from understudy.policy.adaptive_k import AdaptiveK
 from understudy.verify.sampling import warp_probs
@@ -108,10 +108,11 @@ class StubFree:
         pass
 
 
-class StubModel:
+class StubModel(Drafter):
     def __init__(self, vocab: int) -> None:
         self.vocab = vocab
         self.seen: list[list[int]] = []
+        self.fed: list[int] = []  # tokens it has computed KV for, as DraftModelProposer's
 
     def begin(self, prompt_ids):
         pass
@@ -248,14 +249,14 @@ def test_greedy_identity(tiny_pair, free, k, forced):
         hybrid_cost_ratio=0.25,
     )
     if forced:
-        engine.proposer.plan = force_mixing
+        engine.drafter.plan = force_mixing
     params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
     accepted = 0
     for prompt in repetitive_prompts(8, seed=5):
         out = engine.generate(prompt, params)
         assert out.token_ids == plain.generate(prompt, params).token_ids
         accepted += out.stats.accepted
-    plans = engine.proposer.plans
+    plans = engine.drafter.plans
     assert accepted > 0 and plans["model"] > 0, plans
     assert plans["mixed" if forced else "free"] > 0, plans
 
@@ -270,9 +271,9 @@ def test_options(tiny_pair):
         hybrid_free="ngram",
         prompt_lookup_max=3,
     )
-    assert engine.proposer.free.index.max_n == 3
-    assert 0 < engine.proposer.cost_ratio < 100  # measured: the tiny pair costs about the same
-    assert not hasattr(engine.proposer, "runner")  # so the engine's K is the full row budget
+    assert engine.drafter.free.index.max_n == 3
+    assert 0 < engine.drafter.cost_ratio < 100  # measured: the tiny pair costs about the same
+    assert not hasattr(engine.drafter, "runner")  # so the engine's K is the full row budget
     with pytest.raises(UnderstudyError, match="hybrid_free"):
         Engine.from_pretrained(target=target, draft=draft, method="hybrid", hybrid_free="x")
     with pytest.raises(UnderstudyError, match="hybrid_cost"):
@@ -346,14 +347,14 @@ def mixed_engine(tiny_pair):
         hybrid_free="ngram",
         hybrid_cost_ratio=0.1,
     )
-    engine.proposer.plan = force_mixing
+    engine.drafter.plan = force_mixing
     return engine, informative_prompt(engine)
 
 
 def test_sampling_with_mixed_proposals_matches_target(mixed_engine):
     engine, prompt = mixed_engine
     pvalue = goodness_of_fit(engine, prompt, range(SAMPLES))
-    plans = engine.proposer.plans
+    plans = engine.drafter.plans
     assert plans["mixed"] > SAMPLES / 2, plans  # the first round mixed in most runs
     assert pvalue > ALPHA, f"p = {pvalue:.2e}"
 

@@ -140,7 +140,7 @@ def test_engine_options(tiny_pair):
     engine = Engine.from_pretrained(
         target=target, method="ngram", dtype="float32", prompt_lookup_max=3, prompt_lookup_min=2
     )
-    assert (engine.proposer.index.min_n, engine.proposer.index.max_n) == (2, 3)
+    assert (engine.drafter.index.min_n, engine.drafter.index.max_n) == (2, 3)
     with pytest.raises(UnderstudyError, match="prompt_lookup_maxx"):
         Engine.from_pretrained(target=target, method="ngram", dtype="float32", prompt_lookup_maxx=3)
 

@@ -111,7 +111,7 @@ def tiny_draft(tiny_pair):
 
 
 def test_everything_fitting_is_swapped_lm_head_included(tiny_draft):
-    model = tiny_draft.proposer.runner.model
+    model = tiny_draft.drafter.runner.model
     quantize_model(model, "int8")
     info = model.quantization
     assert isinstance(model.lm_head, Int8Linear)
@@ -122,7 +122,7 @@ def test_everything_fitting_is_swapped_lm_head_included(tiny_draft):
 
 def test_layers_that_do_not_fit_the_group_stay_unquantized(tiny_draft):
     """Group size 128: only w_down (in_features 128) fits; the rest have in_features 64."""
-    model = tiny_draft.proposer.runner.model
+    model = tiny_draft.drafter.runner.model
     quantize_model(model, "int4")
     info = model.quantization
     assert info.quantized == [f"layers.{i}.mlp.w_down" for i in range(model.cfg.num_layers)]
@@ -131,7 +131,7 @@ def test_layers_that_do_not_fit_the_group_stay_unquantized(tiny_draft):
 
 
 def draft_logits(engine: Engine, prompt: list[int]) -> torch.Tensor:
-    runner = engine.proposer.runner
+    runner = engine.drafter.runner
     return runner.prefill(torch.tensor(prompt))
 
 
@@ -145,8 +145,8 @@ def test_cache_round_trip(tiny_pair, tmp_path, scheme):
         num_speculative_tokens=2,
         draft_quantization=None,
     )
-    load_or_quantize(first.proposer.runner.model, tmp_path, scheme)
-    assert first.proposer.runner.model.quantization.from_cache is False
+    load_or_quantize(first.drafter.runner.model, tmp_path, scheme)
+    assert first.drafter.runner.model.quantization.from_cache is False
     assert len(list(tmp_path.glob("quant-*.safetensors"))) == 1
     second = Engine.from_pretrained(
         target=target,
@@ -155,8 +155,8 @@ def test_cache_round_trip(tiny_pair, tmp_path, scheme):
         num_speculative_tokens=2,
         draft_quantization=None,
     )
-    load_or_quantize(second.proposer.runner.model, tmp_path, scheme)
-    info = second.proposer.runner.model.quantization
+    load_or_quantize(second.drafter.runner.model, tmp_path, scheme)
+    info = second.drafter.runner.model.quantization
     assert info.from_cache is True and not info.skipped
     prompt = [5, 17, 99, 3, 250]
     assert torch.equal(draft_logits(first, prompt), draft_logits(second, prompt))
@@ -171,7 +171,7 @@ def test_stale_cache_is_replaced(tiny_pair, tmp_path):
         num_speculative_tokens=2,
         draft_quantization=None,
     )
-    load_or_quantize(engine.proposer.runner.model, tmp_path, "int8")
+    load_or_quantize(engine.drafter.runner.model, tmp_path, "int8")
     (cached,) = tmp_path.glob("quant-*.safetensors")
     cached.write_bytes(b"not a safetensors file")
     fresh = Engine.from_pretrained(
@@ -181,16 +181,16 @@ def test_stale_cache_is_replaced(tiny_pair, tmp_path):
         num_speculative_tokens=2,
         draft_quantization=None,
     )
-    load_or_quantize(fresh.proposer.runner.model, tmp_path, "int8")
-    assert fresh.proposer.runner.model.quantization.from_cache is False
-    assert isinstance(fresh.proposer.runner.model.lm_head, Int8Linear)
+    load_or_quantize(fresh.drafter.runner.model, tmp_path, "int8")
+    assert fresh.drafter.runner.model.quantization.from_cache is False
+    assert isinstance(fresh.drafter.runner.model.lm_head, Int8Linear)
     again = Engine.from_pretrained(
         target=target,
         draft=draft,
         dtype="float32",
         num_speculative_tokens=2,
         draft_quantization=None,
-    ).proposer.runner.model
+    ).drafter.runner.model
     load_or_quantize(again, tmp_path, "int8")  # the rewritten file is good again
     assert again.quantization.from_cache is True
 
@@ -208,7 +208,7 @@ def test_default_cache_dir_is_keyed_by_the_weights(tiny_pair, tmp_path, monkeypa
 def test_quantizing_twice(tiny_draft, tmp_path):
     """A second quantization is refused (error compounds); load_or_quantize with the scheme the
     model already has is a no-op and writes no file of its own."""
-    model = tiny_draft.proposer.runner.model
+    model = tiny_draft.drafter.runner.model
     quantize_model(model, "int8")
     with pytest.raises(UnderstudyError, match="already quantized"):
         quantize_model(model, "int4-g32")
@@ -226,15 +226,15 @@ def test_from_pretrained_quantizes_the_draft(tiny_pair, tmp_path, monkeypatch):
     monkeypatch.setenv("UNDERSTUDY_CACHE", str(tmp_path))
     target, draft = tiny_pair
     engine = Engine.from_pretrained(target=target, draft=draft, dtype="float32")
-    model = engine.proposer.runner.model
+    model = engine.drafter.runner.model
     assert model.quantization.scheme == parse_scheme(DEFAULT_CPU_DRAFT_QUANTIZATION).name
     assert not any(isinstance(m, (Int8Linear, Int4Linear)) for m in engine.target.model.modules())
     again = Engine.from_pretrained(target=target, draft=draft, dtype="float32")
-    assert again.proposer.runner.model.quantization.from_cache is True
+    assert again.drafter.runner.model.quantization.from_cache is True
     dense = Engine.from_pretrained(
         target=target, draft=draft, dtype="float32", draft_quantization=None
     )
-    assert not hasattr(dense.proposer.runner.model, "quantization")
+    assert not hasattr(dense.drafter.runner.model, "quantization")
 
 
 def test_int8_needs_in_features_multiple_of_32():
@@ -267,7 +267,7 @@ def test_greedy_with_quantized_draft_equals_plain(tiny_pair, plain, scheme, k):
         num_speculative_tokens=k,
         draft_quantization=None,
     )
-    quantize_model(engine.proposer.runner.model, scheme)
+    quantize_model(engine.drafter.runner.model, scheme)
     params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
     drafted = accepted = 0
     for prompt in prompts(6, seed=k):
@@ -317,7 +317,7 @@ def int4_engine(tiny_pair):
         num_speculative_tokens=2,
         draft_quantization=None,
     )
-    quantize_model(engine.proposer.runner.model, "int4-g32")
+    quantize_model(engine.drafter.runner.model, "int4-g32")
     return engine
 
 

@@ -494,4 +494,4 @@ def test_the_lab_works_with_any_method(tiny_pair, method):
         assert plain[-1]["stats"]["method"] == "none"
         assert spec[-1]["stats"]["method"] == method
         assert plain[-1]["token_ids"] == spec[-1]["token_ids"]  # greedy: lossless
-        assert engine.proposer is None or type(engine.proposer).__name__ != "RecordingProposer"
+        assert engine.drafter is None or type(engine.drafter).__name__ != "RecordingDrafter"

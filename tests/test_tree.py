@@ -431,7 +431,7 @@ def test_keep_path_compacts_like_a_chain(tiny_pair, dtype):
 def test_draft_cache_is_rolled_back(tiny_pair):
     """After propose_tree the draft's cache again holds exactly the committed tokens."""
     spec = tree_engine(tiny_pair, num_speculative_tokens=4, tree_branching=3)
-    proposer = spec.proposer
+    proposer = spec.drafter
     tokens = [5, 6, 7, 8, 9]
     proposer.begin(tokens)
     proposal = proposer.propose_tree(tokens, 4, 8, SamplingParams(temperature=0.0), None)

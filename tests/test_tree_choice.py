@@ -64,7 +64,7 @@ def test_auto_trees_greedy_identity_and_both_shapes(tiny_pair):
     target, draft = tiny_pair
     engine = Engine.from_pretrained(target=target, draft=draft, dtype="float32", tree="auto")
     assert engine.tree_mode == "auto" and engine.exact
-    assert engine.tree_node_cost >= 0.0  # measured at build
+    assert engine.costs.tree_node >= 0.0  # measured at build
     plain = engine.with_method("none")
     params = SamplingParams(max_tokens=48, temperature=0.0, ignore_eos=True)
     shapes = set()

@@ -1,7 +1,7 @@
 """Tests of the verifier (src/understudy/verify.py): greedy tables, then statistics.
 
 The statistical tests run the whole speculative procedure on toy "language models" and check
-the one property that matters (DESIGN.md section 1): the emitted tokens are distributed
+the one property that matters (docs/design.md): the emitted tokens are distributed
 exactly as the target's own samples. Threshold and sizes:
 
 - Chi-squared goodness of fit (stats_helpers.chisquare_pvalue) of the empirical joint of the
@@ -425,7 +425,7 @@ def test_statistical_test_rejects_argmax_drafter_that_reports_q() -> None:
 
 def test_statistical_test_rejects_mismatched_warping() -> None:
     """Power against a subtler bug: the drafter samples from its top-k/temperature-warped q
-    but reports its unwarped softmax to the real verify_sampling (DESIGN.md: p and q must be
+    but reports its unwarped softmax to the real verify_sampling (p and q must be
     warped the same way). Same N_SAMPLES, p < 0.001."""
     p_table, q_table = toy_tables(WARPS["temperature_top_k"])
     _, q_unwarped = toy_tables(WARPS["raw"])

@@ -14,7 +14,7 @@ __all__ = ["Engine", "GenerationOutput", "SamplingParams", "TokenEvent", "Unders
 
 if TYPE_CHECKING:
     from understudy.config import SamplingParams, UnderstudyError
-    from understudy.engine.engine import Engine, GenerationOutput, TokenEvent
+    from understudy.engine import Engine, GenerationOutput, TokenEvent
 
 
 def __getattr__(name: str) -> Any:

@@ -192,3 +192,31 @@ def parse_num_speculative_tokens(value: int | str) -> int | str:
             f"or 'auto', got {value!r}"
         )
     return value
+
+
+def parse_option_value(text: str) -> object:
+    """A drafter option's value as typed on a command line: true/false -> bool, none ->
+    None, else an int, a float, or the text itself ("auto", "suffix", ...)."""
+    lowered = text.lower()
+    if lowered in ("true", "false"):
+        return lowered == "true"
+    if lowered == "none":
+        return None
+    for kind in (int, float):
+        try:
+            return kind(text)
+        except ValueError:
+            pass
+    return text
+
+
+def parse_options(pairs: list[str], what: str = "--option") -> dict[str, object]:
+    """["prompt_lookup_max=3", "hybrid_free=ngram"] -> {"prompt_lookup_max": 3, ...}: the one
+    parser of drafter options, for the CLI's --option and the bench's method specs."""
+    options: dict[str, object] = {}
+    for pair in pairs:
+        key, sep, raw = pair.partition("=")
+        if not sep or not key:
+            raise UnderstudyError(f"{what} takes key=value, got {pair!r}")
+        options[key] = parse_option_value(raw)
+    return options

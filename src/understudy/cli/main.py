@@ -14,6 +14,7 @@ import typer
 from rich.console import Console
 
 from understudy.cli.bench import bench
+from understudy.cli.common import fail
 from understudy.cli.serve import serve
 from understudy.cli.simulate import simulate
 from understudy.cli.train_head import train_head_command
@@ -36,11 +37,6 @@ app.command("serve", help="Serve the engine over OpenAI's HTTP API, with the liv
 )
 
 ORIGIN_STYLE = {"accepted": "green", "corrected": "yellow", "bonus": "cyan", "target": "default"}
-
-
-def fail(message: str) -> None:
-    Console(stderr=True).print(f"[red]error:[/red] {message}", highlight=False)
-    raise typer.Exit(2)
 
 
 @app.command()
@@ -76,6 +72,10 @@ def generate(
         bool, typer.Option("--json", help="Print one JSON object instead of streaming.")
     ] = False,
     dtype: Annotated[str, typer.Option(help="auto | float32 | bfloat16 | float16")] = "auto",
+    quantization: Annotated[
+        str,
+        typer.Option(help="auto | none | gguf (a GGUF model from its own blocks, on a CPU)."),
+    ] = "auto",
     max_context: Annotated[int, typer.Option(help="Prompt + generation, in tokens.")] = 4096,
     draft_quantization: Annotated[
         str,
@@ -90,7 +90,7 @@ def generate(
 ) -> None:
     """Generate text, streaming tokens coloured by origin: accepted (green), corrected
     (yellow), bonus (cyan), target-only (plain)."""
-    from understudy.config import SamplingParams, UnderstudyError
+    from understudy.config import SamplingParams, UnderstudyError, parse_options
     from understudy.engine.engine import Engine
 
     try:
@@ -110,6 +110,7 @@ def generate(
             method=method,
             num_speculative_tokens=k,
             dtype=dtype,
+            quantization=quantization,
             max_context=max_context,
             draft_quantization=draft_quantization,
             **drafter_options,
@@ -141,26 +142,6 @@ def generate(
         f"({s.tokens_per_s:.2f} tok/s), {s.target_passes} target passes, "
         f"{s.tokens_per_pass:.2f} tokens/pass, acceptance {s.acceptance_rate:.0%}[/dim]"
     )
-
-
-def parse_options(pairs: list[str]) -> dict[str, object]:
-    """["prompt_lookup_max=3", "hybrid_free=ngram"] -> {"prompt_lookup_max": 3, ...}."""
-    from understudy.config import UnderstudyError
-
-    options: dict[str, object] = {}
-    for pair in pairs:
-        key, sep, raw = pair.partition("=")
-        if not sep or not key:
-            raise UnderstudyError(f"--option takes key=value, got {pair!r}")
-        value: object = raw
-        for cast in (int, float):
-            try:
-                value = cast(raw)
-                break
-            except ValueError:
-                continue
-        options[key] = value
-    return options
 
 
 def main() -> None:

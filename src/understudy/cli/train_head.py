@@ -94,7 +94,7 @@ def train_head_command(
     progress: Annotated[bool, typer.Option(help="Show progress bars.")] = True,
 ) -> None:
     """Train the target's own prediction head (EAGLE-style) on its hidden states."""
-    from understudy.cli.main import fail
+    from understudy.cli.common import fail
     from understudy.config import UnderstudyError
     from understudy.drafters.eagle import default_head_dir
     from understudy.head.corpus import stdlib_files, text_files, token_sequences

@@ -7,6 +7,6 @@ from understudy.drafters import (
     ngram,  # noqa: F401  (registers "ngram")
     suffix,  # noqa: F401  (registers "suffix")
 )
-from understudy.drafters.base import DRAFTERS, Proposal, Proposer
+from understudy.drafters.base import DRAFTERS, Drafter, Proposal
 
-__all__ = ["DRAFTERS", "Proposal", "Proposer"]
+__all__ = ["DRAFTERS", "Drafter", "Proposal"]

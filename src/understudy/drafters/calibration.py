@@ -20,6 +20,9 @@ which keeps verification exact under sampling, and seeded sampling reproducible.
 
 from __future__ import annotations
 
+from understudy.config import UnderstudyError
+from understudy.drafters.base import Drafter, positive_int, take_options, threshold
+
 
 class AcceptanceCalibration:
     BINS = 10  # equal-width bins of the draft's probability over [0, 1]
@@ -84,7 +87,7 @@ class RoundRecord:
         self.probs = []
 
 
-class DoubtRules:
+class DoubtRules(Drafter):
     """The two round-ending rules a chain drafter may take (draft_confidence and
     draft_path_confidence, drafters/draft_model.py), shared by method="draft" and "eagle".
     A subclass sets `auto_path_confidence`, what "auto" (None) becomes under automatic K."""
@@ -101,7 +104,7 @@ class DoubtRules:
         self.path_confidence = path_confidence
         self.record = RoundRecord()  # the latest chain round, until the target judges it
 
-    def default_confidence(self, automatic_k: bool) -> None:
+    def settle_confidence(self, automatic_k: bool) -> None:
         """Settle "auto": auto_path_confidence with automatic K, else off (the engine calls it)."""
         if self.confidence is None:
             self.confidence = 0.0
@@ -115,3 +118,20 @@ class DoubtRules:
     @property
     def calibration(self) -> AcceptanceCalibration:
         return self.record.calibration
+
+
+TREE_MODES = ("off", "on", "auto")
+
+
+def chain_and_tree_options(
+    method: str, options: dict[str, object], defaults: dict[str, object]
+) -> tuple[dict, str, int, float | None, float | None]:
+    """The options of a drafter that may draft trees and stop chains on doubt (draft, eagle):
+    (all options, tree mode, tree_branching, draft_confidence, draft_path_confidence)."""
+    opts = take_options(method, options, defaults)
+    if opts["tree"] not in TREE_MODES:
+        raise UnderstudyError(f"tree must be one of {', '.join(TREE_MODES)}, got {opts['tree']!r}")
+    branching = positive_int(method, "tree_branching", opts["tree_branching"])
+    confidence = threshold("draft_confidence", opts["draft_confidence"])
+    path = threshold("draft_path_confidence", opts["draft_path_confidence"])
+    return opts, str(opts["tree"]), branching, confidence, path

@@ -35,16 +35,14 @@ from __future__ import annotations
 
 import torch
 
-from understudy.config import SamplingParams, UnderstudyError
+from understudy.config import SamplingParams
 from understudy.drafters.base import EMPTY, Proposal, register
-from understudy.drafters.calibration import DoubtRules, RoundRecord
-from understudy.drafters.ngram import positive_int, take_options
+from understudy.drafters.calibration import DoubtRules, RoundRecord, chain_and_tree_options
 from understudy.drafters.tree_search import BestFirstTree, tree_log_scores
 from understudy.models.loader import LoadedModel
 from understudy.models.runner import Runner
 from understudy.verify.sampling import sample, warp_probs
 
-TREE_MODES = ("off", "on", "auto")
 # draft_path_confidence under automatic K. A guess is worth drafting while the chance that it
 # is kept (the round's calibrated path probability) beats what its draft step and target row
 # cost in tokens, ~(c + v) * tokens per pass ~ 0.17 * 2 here, less the verify pass a longer
@@ -52,15 +50,6 @@ TREE_MODES = ("off", "on", "auto")
 # calibration was within 2% of the best fixed K or above it in all four categories; the raw
 # product at 0.3 (the previous default) fell 5% behind K = 4 on chat
 AUTO_PATH_CONFIDENCE = 0.2
-
-
-def threshold(name: str, value: object) -> float | None:
-    """A probability threshold option: "auto" -> None (settled by the engine), else [0, 1]."""
-    if value == "auto":
-        return None
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value <= 1:
-        raise UnderstudyError(f"{name} must be auto or a number in [0, 1], got {value!r}")
-    return float(value)
 
 
 @register("draft")
@@ -79,17 +68,9 @@ class DraftModelProposer(DoubtRules):
             "draft_confidence": 0.0,
             "draft_path_confidence": "auto",
         }
-        opts = take_options("draft", options, defaults)
-        if opts["tree"] not in TREE_MODES:
-            raise UnderstudyError(
-                f"tree must be one of {', '.join(TREE_MODES)}, got {opts['tree']!r}"
-            )
-        branching = positive_int("draft", "tree_branching", opts["tree_branching"])
-        confidence, path = (
-            threshold(name, opts[name]) for name in ("draft_confidence", "draft_path_confidence")
-        )
+        _, tree, branching, confidence, path = chain_and_tree_options("draft", options, defaults)
         runner = Runner(draft.model, max_context)
-        return cls(runner, str(opts["tree"]), branching, confidence, path)
+        return cls(runner, tree, branching, confidence, path)
 
     def __init__(
         self,
@@ -104,6 +85,9 @@ class DraftModelProposer(DoubtRules):
         self.tree = tree  # "off", "on" or "auto" (the engine decides each round: tree_choice.py)
         self.branching = branching
         self.init_doubt(confidence, path_confidence)
+
+    def draft_runner(self) -> Runner:
+        return self.runner
 
     def begin(self, prompt_ids: list[int]) -> None:
         self.fed = []

@@ -37,9 +37,7 @@ import torch
 
 from understudy.config import SamplingParams, UnderstudyError
 from understudy.drafters.base import EMPTY, Proposal, register
-from understudy.drafters.calibration import DoubtRules, RoundRecord
-from understudy.drafters.draft_model import TREE_MODES, threshold
-from understudy.drafters.ngram import positive_int, take_options
+from understudy.drafters.calibration import DoubtRules, RoundRecord, chain_and_tree_options
 from understudy.drafters.tree_search import BestFirstTree, tree_log_scores
 from understudy.models.eagle_head import CONFIG_FILE, EagleHead, load_head, read_head_config
 from understudy.models.fetch import cache_dir
@@ -95,7 +93,8 @@ def find_head(target: LoadedModel, head: str | None) -> Path:
 class EagleProposer(DoubtRules):
     needs_draft_model = False
     auto_path_confidence = AUTO_PATH_CONFIDENCE
-    takes_draft_path = True  # `draft=DIR` names the head's folder
+    draft_names_head = True  # `draft=DIR` names the head's folder
+    wants_hidden = True
 
     @classmethod
     def from_models(
@@ -113,18 +112,10 @@ class EagleProposer(DoubtRules):
             "draft_confidence": 0.0,
             "draft_path_confidence": "auto",
         }
-        opts = take_options("eagle", options, defaults)
-        if opts["tree"] not in TREE_MODES:
-            raise UnderstudyError(
-                f"tree must be one of {', '.join(TREE_MODES)}, got {opts['tree']!r}"
-            )
-        branching = positive_int("eagle", "tree_branching", opts["tree_branching"])
-        confidence, path = (
-            threshold(name, opts[name]) for name in ("draft_confidence", "draft_path_confidence")
-        )
+        opts, tree, branching, confidence, path = chain_and_tree_options("eagle", options, defaults)
         folder = find_head(target, opts["head"])  # type: ignore[arg-type]
         head = load_head(folder, target.model)
-        return cls(head, max_context, str(opts["tree"]), branching, confidence, path)
+        return cls(head, max_context, tree, branching, confidence, path)
 
     def __init__(
         self,
@@ -259,7 +250,7 @@ class EagleProposer(DoubtRules):
         calibration learns how many of the latest chain round's guesses were kept."""
         self.record.judge(tokens)
 
-    def step_seconds(self, repeats: int = 5) -> float:
+    def step_seconds(self, repeats: int) -> float:
         """One drafting step (a pair through the head and its LM rows), best of `repeats`."""
         head = self.head
         hidden = torch.zeros(1, head.cfg.hidden_size)

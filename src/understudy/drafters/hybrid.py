@@ -37,18 +37,20 @@ from typing import Protocol
 import torch
 
 from understudy.config import SamplingParams, UnderstudyError
-from understudy.drafters.base import DRAFTERS, Proposal, register
+from understudy.drafters.base import DRAFTERS, Drafter, Proposal, register, take_options
 from understudy.drafters.draft_model import DraftModelProposer
-from understudy.drafters.ngram import take_options
 from understudy.models.loader import LoadedModel
 from understudy.models.runner import Runner
 from understudy.policy.adaptive_k import AdaptiveK
+from understudy.policy.costs import Costs
 
 FREE_METHODS = ("suffix", "ngram")
 FREE_PRIOR = (0.2, 0.4, 0.6, 0.75, 0.85)  # P(free guess accepted) by bucket: m 1, 2-3, 4-7, ...
-PRIOR_WEIGHT = 2.0
-DECAY = 0.98
-PROBE_EVERY = 8  # plain rounds in a row before one model guess is tried again
+# the free estimates learn as automatic K's do (policy/adaptive_k.py): the same prior weight,
+# decay per round and probing period (plain rounds in a row before one model guess)
+PRIOR_WEIGHT = AdaptiveK.PRIOR_WEIGHT
+DECAY = AdaptiveK.DECAY
+PROBE_EVERY = AdaptiveK.PROBE_EVERY
 MAX_MODEL_GUESSES = 64
 CATCH_UP_ROUNDS = 8  # model rounds a catch-up is charged over (~ a 64-token request's rounds)
 
@@ -68,49 +70,6 @@ class FreeDrafter(Protocol):
 def bucket(match_len: int) -> int:
     """Match lengths 1 | 2-3 | 4-7 | 8-15 | 16+ -> 0..4."""
     return min(max(match_len, 1).bit_length(), len(FREE_PRIOR)) - 1
-
-
-def measure_cost_ratio(
-    target: LoadedModel, draft_runner: Runner, repeats: int = 3
-) -> tuple[float, float]:
-    """(c, catch-up): c = one draft step / one target pass (as the engine's passes are shaped);
-    catch-up = the draft's prefill time per token of a 32-token context / one target pass (what
-    each token the draft has not seen costs it before its next guess). Timed once.
-
-    The target's KV cache is set aside and restored, so this never disturbs an engine built on
-    the same model (factory.measure_cost_ratio measures the same way for method="draft")."""
-    from understudy.engine.builder import target_pass_shape  # factory imports the drafters
-
-    model = target.model
-    context = torch.arange(1, 33, device=model.device)
-
-    def best_step(runner: Runner, tokens: torch.Tensor) -> float:
-        runner.prefill(tokens, span=480)  # a typical request's window (factory)
-        return best_step_after_prefill(runner, tokens)
-
-    def best_step_after_prefill(runner: Runner, tokens: torch.Tensor) -> float:
-        times = []
-        for _ in range(repeats):
-            t0 = time.perf_counter()
-            runner.extend(tokens[:1])
-            times.append(time.perf_counter() - t0)
-            runner.truncate(tokens.shape[0])
-        runner.truncate(0)
-        return min(times)
-
-    saved = (model.k_cache, model.v_cache)
-    model.k_cache, model.v_cache = [], []
-    try:
-        rows, pad = target_pass_shape(model)
-        target_step = best_step(Runner(model, 64, rows=rows, pad=pad), context)
-    finally:
-        model.k_cache, model.v_cache = saved
-    draft_context = context.to(draft_runner.model.device)
-    t0 = time.perf_counter()
-    draft_runner.prefill(draft_context, span=480)
-    prefill_per_token = (time.perf_counter() - t0) / draft_context.shape[0]
-    draft_step = best_step_after_prefill(draft_runner, draft_context)
-    return draft_step / target_step, prefill_per_token / target_step
 
 
 class LiveCostRatio:
@@ -169,7 +128,7 @@ def mixed_q(free: torch.Tensor, model_q: torch.Tensor) -> torch.Tensor:
 
 
 @register("hybrid")
-class HybridProposer:
+class HybridProposer(Drafter):
     """Options: hybrid_free ("suffix" | "ngram", default "suffix"), hybrid_cost_ratio (c;
     default: measured when the engine is built); the free drafter's own options pass through
     (suffix_decoding_*, prompt_lookup_*)."""
@@ -191,9 +150,8 @@ class HybridProposer:
         free = DRAFTERS[free_method].from_models(target, None, max_context, **options)
         model = DraftModelProposer.from_models(target, draft, max_context)
         cost = opts["hybrid_cost_ratio"]
-        if cost is None:  # measured now, then learnt from the rounds' own times
-            cost, catch_up = measure_cost_ratio(target, model.runner)
-            return cls(free, model, cost, learn_cost=True, catch_up_ratio=catch_up)
+        if cost is None:  # measured by the builder (use_costs), then learnt from the rounds
+            return cls(free, model, 0.0, learn_cost=True)
         return cls(free, model, cost)
 
     def __init__(
@@ -218,13 +176,24 @@ class HybridProposer:
         # the whole prompt on its first use): catch_up_ratio target passes per token, shared
         # among the CATCH_UP_ROUNDS model rounds it serves
         self.catch_up_ratio = float(catch_up_ratio)
-        self.row_cost = 0.0  # v, set by the engine (factory.measure_row_cost)
+        self.row_cost = 0.0  # v, measured by the builder (use_costs)
         self.plans = {"free": 0, "model": 0, "mixed": 0, "none": 0}  # rounds, all requests
         self._reset_estimates()
         self._last: tuple[int, list[int], int, int, int] | None = None  # the round's plan
 
-    def default_confidence(self, automatic_k: bool) -> None:
-        self.model.default_confidence(automatic_k)  # the draft model's rounds may stop early
+    def settle_confidence(self, automatic_k: bool) -> None:
+        self.model.settle_confidence(automatic_k)  # the draft model's rounds may stop early
+
+    def draft_runner(self) -> Runner:
+        return self.model.runner
+
+    def use_costs(self, costs: Costs) -> None:
+        """c (unless hybrid_cost_ratio fixed it), the catch-up cost and v, as measured."""
+        if self.live_cost is not None:
+            self.cost_ratio = costs.draft_step
+            self.live_cost = LiveCostRatio(costs.draft_step)
+            self.catch_up_ratio = costs.catch_up
+        self.row_cost = costs.row
 
     def _reset_estimates(self) -> None:
         self.free_hits = [p * PRIOR_WEIGHT for p in FREE_PRIOR]
@@ -274,7 +243,7 @@ class HybridProposer:
         self, tokens: list[int], k: int, params: SamplingParams, generator: torch.Generator
     ) -> Proposal:
         guesses, match_len = self.free.draft(tokens, k)
-        unseen = len(tokens) - len(getattr(self.model, "fed", tokens))
+        unseen = len(tokens) - len(self.model.fed)
         j, n_model = self.plan(min(k, MAX_MODEL_GUESSES), len(guesses), match_len, unseen)
         self.plain_rounds = self.plain_rounds + 1 if j == n_model == 0 else 0
         if self.plain_rounds >= PROBE_EVERY and k > 0:
@@ -286,7 +255,7 @@ class HybridProposer:
         else:
             self.plans["mixed" if j else "model"] += 1
             context = tokens + guesses[:j] if j else tokens
-            if getattr(self.model, "stops_by_confidence", False):  # as method="draft": until doubt
+            if self.model.stops_by_confidence:  # as method="draft": until doubt
                 n_model = k - j
             started = time.perf_counter()
             extended = self.model.propose(context, n_model, params, generator)

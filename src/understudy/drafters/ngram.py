@@ -11,7 +11,7 @@ whose continuation is known. It is updated incrementally, for the new tokens onl
 costs O(max - min + 1) dict operations per new token plus one lookup per n: never a rescan.
 
 Guesses are a deterministic function of the text, so they are verified with q = one-hot
-(`draft_probs=None`): lossless under sampling as well as greedy (DESIGN.md section 1).
+(`draft_probs=None`): lossless under sampling as well as greedy (verify/chain.py).
 Wrong guesses cost little here: a guessed row adds ~3.5% to a target pass with unpadded
 row-invariant passes, nothing with padded ones (models/runner.py), which is why
 `prompt_lookup_min` defaults to 1 (vLLM's default of 5 is for batched GPU serving, where each
@@ -23,29 +23,11 @@ from __future__ import annotations
 import torch
 
 from understudy.config import SamplingParams, UnderstudyError
-from understudy.drafters.base import Proposal, register
+from understudy.drafters.base import Drafter, Proposal, positive_int, register, take_options
 from understudy.models.loader import LoadedModel
 
 DEFAULT_PROMPT_LOOKUP_MAX = 5
 DEFAULT_PROMPT_LOOKUP_MIN = 1
-
-
-def take_options(method: str, options: dict[str, object], defaults: dict[str, object]) -> dict:
-    """`defaults` updated with `options`; an option not in `defaults` is an error (fail early:
-    a misspelt option silently ignored would quietly benchmark the wrong configuration)."""
-    unknown = sorted(set(options) - set(defaults))
-    if unknown:
-        raise UnderstudyError(
-            f"method {method!r} does not take option(s) {', '.join(unknown)}; "
-            f"it takes {', '.join(sorted(defaults)) or 'none'}"
-        )
-    return {**defaults, **{k: v for k, v in options.items() if v is not None}}
-
-
-def positive_int(method: str, name: str, value: object, minimum: int = 1) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise UnderstudyError(f"{name} must be an integer >= {minimum} (method {method!r})")
-    return value
 
 
 class NgramIndex:
@@ -102,7 +84,7 @@ class NgramIndex:
 
 
 @register("ngram")
-class NgramProposer:
+class NgramProposer(Drafter):
     """Prompt lookup. Options: prompt_lookup_max (default 5), prompt_lookup_min (default 1)."""
 
     needs_draft_model = False

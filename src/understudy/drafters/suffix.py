@@ -34,8 +34,7 @@ from collections import deque
 import torch
 
 from understudy.config import SamplingParams, UnderstudyError
-from understudy.drafters.base import Proposal, register
-from understudy.drafters.ngram import positive_int, take_options
+from understudy.drafters.base import Drafter, Proposal, positive_int, register, take_options
 from understudy.models.loader import LoadedModel
 
 _SHIFT = 32  # edge key = node << 32 | token (token ids are < 2**32)
@@ -236,7 +235,7 @@ class SuffixCache:
 
 
 @register("suffix")
-class SuffixProposer:
+class SuffixProposer(Drafter):
     """Suffix-trie drafting. Options (vLLM's names): suffix_decoding_max_tree_depth (24),
     suffix_decoding_max_cached_requests (10000; 0 = no cross-request cache, -1 = no limit),
     suffix_decoding_max_spec_factor (4.0; vLLM's default is 1.0), suffix_decoding_min_token_prob

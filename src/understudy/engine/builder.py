@@ -1,18 +1,25 @@
-"""Build an Engine from user-facing names: resolve models, check compatibility, pick drafter.
+"""Build an engine in two steps: load, then assemble.
 
-Everything slow (fetching, converting, packing) happens here, never in the first generate().
+    load_models(names)  -> LoadedModels   fetch, convert, quantize; check the pair agrees
+    assemble(models)    -> EngineParts    target kernels and pass shape, the drafter, costs
+
+Everything slow (fetching, converting, packing, timing the costs) happens here, never in the
+first generate(). The bench assembles many engines around one LoadedModels, so a run with
+five methods holds one copy of the target's weights; `Engine.from_pretrained` does both steps.
+The costs the round planner weighs are measured before the engine exists and handed to it as
+one frozen value (policy/costs.py).
 """
 
 from __future__ import annotations
 
-import time
 import warnings
+from dataclasses import dataclass, field
 
 import torch
 
 from understudy.config import UnderstudyError
 from understudy.drafters import DRAFTERS
-from understudy.engine.engine import Engine
+from understudy.drafters.base import Drafter
 from understudy.kernels import rowgemm
 from understudy.models.loader import LoadedModel, cpu_has_native_bf16, load_model
 from understudy.models.packed import PACK_FROM_ROWS, can_pack, pack_linears
@@ -20,7 +27,7 @@ from understudy.models.quant import SCHEMES, load_or_quantize
 from understudy.models.registry import DEFAULT_DRAFT, DEFAULT_TARGET
 from understudy.models.runner import Runner
 from understudy.models.transformer import Transformer
-from understudy.verify.token_tree import TokenTree
+from understudy.policy.costs import Costs, measure_costs
 
 METHODS = ("none", *DRAFTERS)
 
@@ -31,7 +38,8 @@ ROW_INVARIANT_ROWS = 16  # most rows of an unpadded pass (K <= 15) unless told o
 def row_invariant_kernels(model: Transformer) -> bool:
     """Whether the target runs row-invariant kernels (kernels/rowgemm.py): float32 on a CPU
     where the kernel could be built. Then passes are not padded at all: plain decoding scores
-    one row, verification K+1, and a row's logits are bitwise the same either way."""
+    one row, verification K+1, and a row's logits are bitwise the same either way. A model
+    running from GGUF blocks (kernels/qgemm.py, which needs rowgemm too) is one of these."""
     return model.device.type == "cpu" and model.dtype == torch.float32 and rowgemm.available()
 
 
@@ -77,11 +85,22 @@ def prepare_target_kernels(model: Transformer, rows: int) -> None:
 DEFAULT_CPU_DRAFT_QUANTIZATION = "int4-g32"  # measured fastest on this CPU: docs/quantized-draft.md
 
 
-def resolve_draft_quantization(value: str | None, draft: LoadedModel) -> str | None:
+def resolve_draft_quantization(
+    value: str | None, draft: LoadedModel, draft_model: bool = False
+) -> str | None:
     """ "auto" -> int4 (group 32) on a CPU, none on CUDA (torch's packed kernels are CPU ones).
-    `draft`: the model whose device decides (the draft, or the target it shares one with)."""
+    `draft`: the model whose device decides (the draft, or the target it shares one with).
+    `draft_model`: `draft` is the draft model itself; running from its GGUF blocks
+    (quantization="gguf") it is quantized already: "auto" is then none, a scheme refused."""
     if value in (None, "none"):
         return None
+    if draft_model and draft.from_blocks:
+        if value == "auto":
+            return None
+        raise UnderstudyError(
+            f"draft_quantization={value!r} re-quantizes dense weights, but the draft runs "
+            "from its GGUF blocks (quantization='gguf'): use auto or none"
+        )
     if value == "auto":
         return DEFAULT_CPU_DRAFT_QUANTIZATION if draft.model.device.type == "cpu" else None
     if value not in SCHEMES:
@@ -89,107 +108,6 @@ def resolve_draft_quantization(value: str | None, draft: LoadedModel) -> str | N
             f"draft_quantization must be auto, none or one of {', '.join(SCHEMES)}; got {value!r}"
         )
     return value
-
-
-def quantize_own_drafter(proposer: object, value: str | None, target: LoadedModel) -> None:
-    """`draft_quantization` for a drafter that holds its own network (method="eagle": the
-    head), on the target's device: "auto" is int4 (group 32) on a CPU, as for a draft model."""
-    quantize = getattr(proposer, "quantize", None)
-    scheme = resolve_draft_quantization(value, target)
-    if quantize is not None and scheme is not None:
-        quantize(scheme)
-
-
-# Timings use a typical request's key window (prompt + budget ~ 500 slots), not the engine's
-# whole max_context: attention over thousands of empty slots would inflate the target's pass.
-MEASURE_SPAN = 480
-
-
-def best_extend_seconds(
-    runner: Runner, context: torch.Tensor, tokens: torch.Tensor, repeats: int
-) -> float:
-    """Best of `repeats` timings of one pass scoring `tokens` after `context` (already
-    prefilled), after a warm-up pass; the cache is rolled back to `context` after each."""
-    runner.truncate(context.shape[0])
-    runner.extend(tokens)  # warm-up
-    runner.truncate(context.shape[0])
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        runner.extend(tokens)
-        times.append(time.perf_counter() - t0)
-        runner.truncate(context.shape[0])
-    return min(times)
-
-
-def measure_cost_ratio(engine: Engine, repeats: int = 5) -> float:
-    """c = one draft step / one target pass, timed on a short dummy context (best of
-    `repeats`, after a warm-up pass, so a busy machine disturbs it less), clamped to [0.01, 1]."""
-    proposer = engine.proposer
-    step_seconds = getattr(proposer, "step_seconds", None)  # drafters without a Runner
-    if proposer is None or not (hasattr(proposer, "runner") or step_seconds):
-        return 0.0
-    context = torch.arange(1, 33, device=engine.target.model.device)
-
-    def best_of(runner: Runner) -> float:
-        runner.prefill(context, span=MEASURE_SPAN)
-        return best_extend_seconds(runner, context, context[:1], repeats)
-
-    if step_seconds is not None:
-        draft_step = step_seconds(repeats)
-    else:
-        draft_step = best_of(proposer.runner)
-        proposer.runner.truncate(0)
-    target_pass = best_of(engine.runner)
-    engine.runner.truncate(0)
-    return min(max(draft_step / target_pass, 0.01), 1.0)
-
-
-def measure_row_cost(engine: Engine, repeats: int = 3) -> float:
-    """v = the extra cost of one more row in an unpadded target pass, as a fraction of a
-    1-row pass: (t(rows) / t(1) - 1) / (rows - 1), best of `repeats` each, clamped to [0, 1].
-    (On the 1.5B target on a 2-core CPU: 1 row ~241 ms, 16 rows ~352 ms, v ~0.03.)"""
-    runner = engine.runner
-    context = torch.arange(1, 33, device=runner.model.device)
-    rows = runner.rows
-    if rows is None or rows < 2:
-        return 0.0
-    guesses = torch.arange(40, 40 + rows, device=runner.model.device)
-    runner.prefill(context, span=MEASURE_SPAN)
-    one = best_extend_seconds(runner, context, guesses[:1], repeats)
-    full = best_extend_seconds(runner, context, guesses, repeats)
-    runner.truncate(0)
-    return min(max((full / one - 1.0) / (rows - 1), 0.0), 1.0)
-
-
-def measure_tree_node_cost(engine: Engine, repeats: int = 3) -> float:
-    """v_tree = the extra cost of one more node in a target tree pass (the pass a tree round
-    verifies with: on unpadded passes each node gathers its path's keys), as a fraction of a
-    1-row pass: (t(tree of `rows` nodes) / t(1 row) - 1) / (rows - 1), best of `repeats`,
-    clamped to [0, 1]. The tree is a chain, which gathers as much as any tree of its size."""
-    runner = engine.runner
-    rows = runner.rows
-    if rows is None or rows < 2:
-        return 0.0
-    device = runner.model.device
-    context = torch.arange(1, 33, device=device)
-    tree = TokenTree.chain(40, list(range(41, 40 + rows)))
-    offsets = tree.slot_offsets()  # [rows]
-    visible = tree.region_mask(offsets)
-
-    def tree_pass() -> None:
-        runner.tree_pass(tree.tokens.to(device), tree.depths, offsets, visible)
-
-    runner.prefill(context, span=MEASURE_SPAN)
-    one = best_extend_seconds(runner, context, context[:1], repeats)
-    tree_pass()  # warm-up
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        tree_pass()
-        times.append(time.perf_counter() - t0)
-    runner.truncate(0)
-    return min(max((min(times) / one - 1.0) / (rows - 1), 0.0), 1.0)
 
 
 def check_compatible(target: LoadedModel, draft: LoadedModel) -> None:
@@ -215,75 +133,139 @@ def check_compatible(target: LoadedModel, draft: LoadedModel) -> None:
             )
 
 
-def build_engine(
+@dataclass(frozen=True)
+class EngineSpec:
+    """What to assemble, apart from the models: the method, K, the context and options."""
+
+    method: str = "draft"
+    k: int | str = "auto"
+    max_context: int = 4096
+    verify_rows: int | None = None  # rows of a target pass; default: the hardware's
+    draft_quantization: str | None = "auto"
+    drafter_options: dict[str, object] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.method not in METHODS:
+            raise UnderstudyError(
+                f"unknown method {self.method!r}: choose one of {', '.join(METHODS)}"
+            )
+        if isinstance(self.max_context, bool) or not isinstance(self.max_context, int):
+            raise UnderstudyError(f"max_context must be an integer >= 8, got {self.max_context!r}")
+        if self.max_context < 8:
+            raise UnderstudyError(f"max_context must be an integer >= 8, got {self.max_context!r}")
+
+    @property
+    def drafter(self) -> type[Drafter] | None:
+        return None if self.method == "none" else DRAFTERS[self.method]
+
+    @property
+    def needs_draft_model(self) -> bool:
+        drafter = self.drafter
+        return drafter is not None and drafter.needs_draft_model
+
+
+@dataclass
+class LoadedModels:
+    target: LoadedModel
+    draft: LoadedModel | None = None  # only for drafters that need a draft model
+
+
+@dataclass
+class EngineParts:
+    """Exactly what `Engine.__init__` takes."""
+
+    target: LoadedModel
+    runner: Runner
+    drafter: Drafter | None
+    method: str
+    num_speculative_tokens: int | str
+    max_context: int
+    exact: bool
+    costs: Costs
+
+
+def default_draft(target: str | None, draft: str | None) -> str | None:
+    """The draft to load: the one given, or the packaged default pair's draft for its target."""
+    return draft or (DEFAULT_DRAFT if target in (None, DEFAULT_TARGET) else None)
+
+
+def load_draft(
+    spec: str, target: LoadedModel, scheme_request: str | None, dtype, device, quantization: str
+) -> LoadedModel:
+    """Load a draft model, refuse it unless its tokens mean the target's, quantize it."""
+    draft = load_model(spec, dtype, device, quantization)
+    check_compatible(target, draft)
+    scheme = resolve_draft_quantization(scheme_request, draft, draft_model=True)
+    if scheme is not None:
+        load_or_quantize(draft.model, None, scheme)
+    return draft
+
+
+def load_models(
     target: str | None,
     draft: str | None,
-    method: str,
-    num_speculative_tokens: int | str,
-    dtype: str | torch.dtype,
-    max_context: int,
-    verify_rows: int | None,
-    device: str | None,
-    draft_quantization: str | None = "auto",
-    drafter_options: dict[str, object] | None = None,
-) -> Engine:
-    if method not in METHODS:
-        raise UnderstudyError(f"unknown method {method!r}: choose one of {', '.join(METHODS)}")
-    if not isinstance(max_context, int) or max_context < 8:
-        raise UnderstudyError(f"max_context must be an integer >= 8, got {max_context!r}")
-    target_model = load_model(target or DEFAULT_TARGET, dtype, device)
-    model = target_model.model
+    spec: EngineSpec,
+    dtype: str | torch.dtype = "auto",
+    device: str | None = None,
+    quantization: str = "auto",
+) -> LoadedModels:
+    """Names -> loaded models: the target, and the draft model when the method needs one."""
+    target_model = load_model(target or DEFAULT_TARGET, dtype, device, quantization)
+    if not spec.needs_draft_model:
+        return LoadedModels(target_model)
+    draft_spec = default_draft(target, draft)
+    if draft_spec is None:
+        raise UnderstudyError(f"method {spec.method!r} needs a draft model: pass draft=...")
+    draft_model = load_draft(
+        draft_spec, target_model, spec.draft_quantization, dtype, device, quantization
+    )
+    return LoadedModels(target_model, draft_model)
+
+
+def target_runner(target: LoadedModel, spec: EngineSpec) -> tuple[Runner, bool]:
+    """The target's kernels and pass shape for `spec`: (runner, exact). Row-invariant kernels
+    make any number of rows exact; padded passes are exact only at the hardware's budget."""
+    model = target.model
     default_rows, pad = target_pass_shape(model)
-    k = num_speculative_tokens
-    rows = verify_rows or (default_rows if k == "auto" else max(default_rows, k + 1))
-    if k != "auto" and rows < k + 1:
-        raise UnderstudyError(f"verify_rows={rows} cannot hold K+1={k + 1} tokens")
+    k = spec.k
+    rows = spec.verify_rows or (default_rows if k in ("auto", 0) else max(default_rows, int(k) + 1))
+    if k not in ("auto", 0) and rows < int(k) + 1:
+        raise UnderstudyError(f"verify_rows={rows} cannot hold K+1={int(k) + 1} tokens")
     if pad:
         exact = rows == default_rows
         prepare_target_kernels(model, rows)
-    else:  # row-invariant kernels: exact whatever the number of rows
+    else:
         exact = True
         install_row_invariant_kernels(model, rows)
     if not exact:
         warnings.warn(
             f"target passes hold {rows} rows, not this hardware's default {default_rows}: "
             "greedy output may differ from method='none' on near-ties (stats.exact = False)",
-            stacklevel=3,
+            stacklevel=4,
         )
-    proposer = None
-    options = drafter_options or {}
-    if method != "none":
-        drafter = DRAFTERS[method]
-        if drafter.needs_draft_model:
-            draft_spec = draft or (DEFAULT_DRAFT if target in (None, DEFAULT_TARGET) else None)
-            if draft_spec is None:
-                raise UnderstudyError(f"method {method!r} needs a draft model: pass draft=...")
-            draft_model = load_model(draft_spec, dtype, device)
-            check_compatible(target_model, draft_model)
-            scheme = resolve_draft_quantization(draft_quantization, draft_model)
-            if scheme is not None:
-                load_or_quantize(draft_model.model, None, scheme)
-            proposer = drafter.from_models(target_model, draft_model, max_context, **options)
-        elif getattr(drafter, "takes_draft_path", False):  # e.g. eagle: draft = the head's folder
-            proposer = drafter.from_models(target_model, None, max_context, head=draft, **options)
-        else:
-            proposer = drafter.from_models(target_model, None, max_context, **options)
-        quantize_own_drafter(proposer, draft_quantization, target_model)
-    engine = Engine(target_model, proposer, method, k, max_context, rows, exact, pad=pad)
-    measure_engine_costs(engine)
-    return engine
+    return Runner(model, spec.max_context, rows=rows, pad=pad), exact
 
 
-def measure_engine_costs(engine: Engine) -> None:
-    """Time what automatic K and tree="auto" weigh, once per engine: c, and on unpadded
-    passes v (and v_tree under tree="auto"); nothing for an engine that chooses nothing."""
-    if engine.proposer is None or (engine.k != "auto" and engine.tree_mode != "auto"):
-        return
-    engine.cost_ratio = measure_cost_ratio(engine)
-    if engine.pad:
-        return
-    engine.row_cost = measure_row_cost(engine)
-    if hasattr(engine.proposer, "row_cost"):  # proposers that plan their own rounds (hybrid)
-        engine.proposer.row_cost = engine.row_cost
-    if engine.tree_mode == "auto":
-        engine.tree_node_cost = measure_tree_node_cost(engine)
+def assemble(models: LoadedModels, spec: EngineSpec, draft: str | None = None) -> EngineParts:
+    """Loaded models -> the parts of a ready engine. `draft`: for a drafter whose `draft=`
+    names a trained head's folder (eagle), that folder."""
+    target = models.target
+    runner, exact = target_runner(target, spec)
+    drafter_cls = spec.drafter
+    drafter: Drafter | None = None
+    costs = Costs()
+    if drafter_cls is not None:
+        options = dict(spec.drafter_options)
+        if drafter_cls.draft_names_head and draft is not None:
+            options["head"] = draft
+        drafter = drafter_cls.from_models(target, models.draft, spec.max_context, **options)
+        scheme = resolve_draft_quantization(spec.draft_quantization, target)
+        if scheme is not None:
+            drafter.quantize(scheme)  # a network of the drafter's own (eagle's head)
+        if spec.k == "auto" or drafter.tree == "auto" or drafter.plans_length:
+            costs = measure_costs(
+                runner, drafter, unpadded=not runner.pad, trees=drafter.tree == "auto"
+            )
+            drafter.use_costs(costs)
+    k = 0 if drafter is None else spec.k
+    return EngineParts(target, runner, drafter, spec.method, k, spec.max_context, exact, costs)

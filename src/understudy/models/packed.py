@@ -22,11 +22,25 @@ PACK_FROM_ROWS = 4  # below this F.linear's matrix-vector path is as fast (measu
 
 
 def can_pack(device: torch.device, dtype: torch.dtype) -> bool:
-    return (
-        device.type == "cpu"
-        and dtype in (torch.float32, torch.bfloat16)
-        and torch.backends.mkldnn.is_available()
-    )
+    """Whether oneDNN can prepack this dtype here: float32 on any CPU; bfloat16 only where
+    its bf16 reorder runs (AVX512-BW/VL/DQ or AVX-NE-CONVERT; it raises elsewhere)."""
+    if device.type != "cpu" or not torch.backends.mkldnn.is_available():
+        return False
+    if dtype == torch.bfloat16:
+        return (
+            cpu_flags() >= {"avx512bw", "avx512vl", "avx512dq"} or "avx_ne_convert" in cpu_flags()
+        )
+    return dtype == torch.float32
+
+
+def cpu_flags() -> frozenset[str]:
+    """The CPU's feature flags as /proc/cpuinfo lists them (empty where it cannot be read)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            line = next((line for line in f if line.startswith("flags")), "")
+    except OSError:
+        return frozenset()
+    return frozenset(line.partition(":")[2].split())
 
 
 class PackedLinear(nn.Module):

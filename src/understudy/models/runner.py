@@ -2,7 +2,7 @@
 
 Invariant: the KV cache holds valid entries for exactly the first `length` tokens of the
 sequence; everything past it is garbage that the next pass overwrites. Rolling back is
-`truncate(n)`: position arithmetic, no copying (DESIGN.md section 4).
+`truncate(n)`: position arithmetic, no copying (docs/design.md).
 
 With `rows` set (the target), every decode pass scores exactly `rows` query rows, real
 tokens first and filler after, over a fixed window of key slots chosen once per request

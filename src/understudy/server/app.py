@@ -6,7 +6,7 @@ speculative stats), GET /metrics (Prometheus text) and the Lab (/lab, see lab.py
 status a route can answer is in /openapi.json (openapi.py); no client input gives a 500.
 
 Every response that generated text carries the request's speculative statistics, named as
-in DESIGN.md section 2, under `metrics.speculative_decoding` (vLLM reports per-request
+in docs/design.md, under `metrics.speculative_decoding` (vLLM reports per-request
 speculative metrics the same way).
 
 The engine runs on one worker thread (worker.py); handlers only wait for its events.

@@ -25,6 +25,7 @@ from fastapi.responses import HTMLResponse, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field
 
 from understudy.config import SamplingParams, UnderstudyError
+from understudy.drafters.base import Drafter, Proposal
 from understudy.server.generation import account, encode_for_budget, until_cancelled
 from understudy.server.metrics import Metrics
 from understudy.server.openapi import error_responses, event_stream
@@ -53,32 +54,50 @@ class LabRun(BaseModel):
     seed: int | None = None
 
 
-class RecordingProposer:
-    """Wraps the engine's proposer for one Lab run to remember each round's drafted tokens
-    (the TokenEvent stream carries only the tokens that were kept)."""
+class RecordingDrafter(Drafter):
+    """Wraps the engine's drafter for one Lab run to remember each round's drafted tokens
+    (the TokenEvent stream carries only the tokens that were kept). Every hook is passed on."""
 
-    def __init__(self, inner: Any) -> None:
+    def __init__(self, inner: Drafter) -> None:
         self.inner = inner
+        self.needs_draft_model = inner.needs_draft_model
+        self.plans_length = inner.plans_length
+        self.wants_hidden = inner.wants_hidden
+        self.tree = inner.tree
         self._last: list[int] | None = None
 
     def begin(self, prompt_ids: list[int]) -> None:
         self.inner.begin(prompt_ids)
 
-    def propose(self, tokens: list[int], k: int, params: Any, generator: Any) -> Any:
-        proposal = self.inner.propose(tokens, k, params, generator)
-        self._last = proposal.draft_ids.tolist()
-        return proposal
+    def propose(self, tokens: list[int], k: int, params: Any, generator: Any) -> Proposal:
+        return self._remember(self.inner.propose(tokens, k, params, generator))
+
+    def propose_tree(
+        self, tokens: list[int], depth: int, nodes: int, params: Any, generator: Any
+    ) -> Proposal:
+        return self._remember(self.inner.propose_tree(tokens, depth, nodes, params, generator))
 
     def commit(self, tokens: list[int]) -> None:
         self.inner.commit(tokens)
+
+    def end(self, tokens: list[int]) -> None:
+        self.inner.end(tokens)
+
+    def observe_hidden(self, hidden: Any, start: int) -> None:
+        self.inner.observe_hidden(hidden, start)
+
+    @property
+    def stops_by_confidence(self) -> bool:
+        return self.inner.stops_by_confidence
+
+    def _remember(self, proposal: Proposal) -> Proposal:
+        self._last = proposal.draft_ids.tolist()
+        return proposal
 
     def pop(self) -> list[int]:
         """The drafted ids of the round now being emitted ([] when nothing was drafted)."""
         drafted, self._last = self._last or [], None
         return drafted
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self.inner, name)
 
 
 class _Engines:
@@ -117,9 +136,9 @@ def lab_work(engines: _Engines, run: LabRun, params: SamplingParams) -> Callable
         except APIError as error:
             job.emit("error", error)
             return
-        recorder = RecordingProposer(engine.proposer) if engine.proposer is not None else None
+        recorder = RecordingDrafter(engine.drafter) if engine.drafter is not None else None
         if recorder is not None:
-            engine.proposer = recorder
+            engine.drafter = recorder
         try:
             job.emit("start", {"prompt_tokens": len(ids)})
             stream = engine.stream(ids, params)
@@ -150,7 +169,7 @@ def lab_work(engines: _Engines, run: LabRun, params: SamplingParams) -> Callable
             job.emit("cancelled" if job.cancelled.is_set() else "done", stream.output)
         finally:
             if recorder is not None:
-                engine.proposer = recorder.inner
+                engine.drafter = recorder.inner
 
     return work
 
@@ -200,7 +219,7 @@ def add_lab_routes(
             "model": model_name,
             "method": engine.method,
             "k": engine.k,
-            "cost_ratio": float(getattr(engine, "cost_ratio", 0.0) or 0.0),
+            "cost_ratio": engine.costs.draft_step,
             "max_context": engine.max_context,
             "max_tokens": LAB_MAX_TOKENS,
             "chat_template": bool(

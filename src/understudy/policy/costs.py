@@ -1,0 +1,131 @@
+"""The measured costs a round's plan weighs, as fractions of a one-row target pass.
+
+    c (draft_step)  one drafting step (one guess of a draft model or head) / one target pass
+    v (row)         one more row in an unpadded target pass / a one-row pass
+    v_tree          one more node in a tree pass (each node gathers its path's keys)
+    catch_up        the draft's prefill time per token it has not yet seen / one target pass
+
+A round of K chain guesses then costs 1 + K*c + K*v target passes (Leviathan et al. 2023,
+Thm 3.8, plus v). They are measured ONCE, when the engine is built, and handed to it as one
+frozen value: the plan of every round then depends only on the request and its seed, so
+seeded sampling stays reproducible.
+
+Timings use a typical request's key window (MEASURE_SPAN slots), not the engine's whole
+max_context: attention over thousands of empty slots would inflate the target's pass. Each
+figure is the best of a few repeats after a warm-up, so a busy machine disturbs it less.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+
+from understudy.models.runner import Runner
+from understudy.verify.token_tree import TokenTree
+
+if TYPE_CHECKING:
+    from understudy.drafters.base import Drafter
+
+MEASURE_SPAN = 480  # key slots of a typical request (prompt + budget)
+CONTEXT = 32  # tokens of the dummy context the passes are timed after
+
+
+@dataclass(frozen=True)
+class Costs:
+    draft_step: float = 0.0  # c
+    row: float = 0.0  # v (0 with padded passes, whose cost does not depend on real rows)
+    tree_node: float = 0.0  # v_tree
+    catch_up: float = 0.0
+
+
+def best_extend_seconds(
+    runner: Runner, context: torch.Tensor, tokens: torch.Tensor, repeats: int
+) -> float:
+    """Best of `repeats` timings of one pass scoring `tokens` after `context` (already
+    prefilled), after a warm-up pass; the cache is rolled back to `context` after each."""
+    runner.truncate(context.shape[0])
+    runner.extend(tokens)  # warm-up
+    runner.truncate(context.shape[0])
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        runner.extend(tokens)
+        times.append(time.perf_counter() - t0)
+        runner.truncate(context.shape[0])
+    return min(times)
+
+
+def one_row_seconds(runner: Runner, repeats: int) -> float:
+    """A one-token target pass after a CONTEXT-token prefix: the unit every cost is in."""
+    context = torch.arange(1, CONTEXT + 1, device=runner.model.device)
+    runner.prefill(context, span=MEASURE_SPAN)
+    seconds = best_extend_seconds(runner, context, context[:1], repeats)
+    runner.truncate(0)
+    return seconds
+
+
+def row_cost(runner: Runner, one_row: float, repeats: int = 3) -> float:
+    """v = (t(rows) / t(1) - 1) / (rows - 1) for an unpadded pass of the runner's full row
+    budget, clamped to [0, 1]."""
+    rows = runner.rows
+    if rows is None or rows < 2:
+        return 0.0
+    device = runner.model.device
+    context = torch.arange(1, CONTEXT + 1, device=device)
+    guesses = torch.arange(40, 40 + rows, device=device)
+    runner.prefill(context, span=MEASURE_SPAN)
+    full = best_extend_seconds(runner, context, guesses, repeats)
+    runner.truncate(0)
+    return min(max((full / one_row - 1.0) / (rows - 1), 0.0), 1.0)
+
+
+def tree_node_cost(runner: Runner, one_row: float, repeats: int = 3) -> float:
+    """v_tree = (t(tree of `rows` nodes) / t(1 row) - 1) / (rows - 1), clamped to [0, 1]. The
+    tree is a chain, which gathers as many keys as any tree of its size."""
+    rows = runner.rows
+    if rows is None or rows < 2:
+        return 0.0
+    device = runner.model.device
+    context = torch.arange(1, CONTEXT + 1, device=device)
+    tree = TokenTree.chain(40, list(range(41, 40 + rows)))
+    offsets = tree.slot_offsets()  # [rows]
+    visible = tree.region_mask(offsets)
+    runner.prefill(context, span=MEASURE_SPAN)
+    times = []
+    for _ in range(repeats + 1):
+        t0 = time.perf_counter()
+        runner.tree_pass(tree.tokens.to(device), tree.depths, offsets, visible)
+        times.append(time.perf_counter() - t0)
+        runner.truncate(context.shape[0])
+    runner.truncate(0)
+    return min(max((min(times[1:]) / one_row - 1.0) / (rows - 1), 0.0), 1.0)
+
+
+def catch_up_seconds(runner: Runner) -> float:
+    """The draft's prefill time per token of a CONTEXT-token prompt."""
+    context = torch.arange(1, CONTEXT + 1, device=runner.model.device)
+    t0 = time.perf_counter()
+    runner.prefill(context, span=MEASURE_SPAN)
+    seconds = (time.perf_counter() - t0) / CONTEXT
+    runner.truncate(0)
+    return seconds
+
+
+def measure_costs(
+    target: Runner, drafter: Drafter, unpadded: bool, trees: bool, repeats: int = 5
+) -> Costs:
+    """All four costs of `drafter` against the target's `runner`: v only on unpadded passes
+    (padded ones cost the same whatever their real rows), v_tree only where trees may be
+    chosen (tree="auto"), c clamped to [0.01, 1] (0 for a free drafter)."""
+    one_row = one_row_seconds(target, repeats)
+    step = drafter.step_seconds(repeats)
+    draft = drafter.draft_runner()
+    return Costs(
+        draft_step=0.0 if step == 0 else min(max(step / one_row, 0.01), 1.0),
+        row=row_cost(target, one_row) if unpadded else 0.0,
+        tree_node=tree_node_cost(target, one_row) if unpadded and trees else 0.0,
+        catch_up=0.0 if draft is None else catch_up_seconds(draft) / one_row,
+    )

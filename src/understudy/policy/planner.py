@@ -1,0 +1,73 @@
+"""Each round's plan: how many guesses to draft, and whether they form a tree.
+
+One object holds every choice the engine makes before it drafts, so the round itself only
+carries out a plan. The plan never changes which tokens are emitted (verification decides
+that), only how many rounds they take.
+
+    K fixed (num_speculative_tokens=k)    every round drafts k guesses (or a depth-k tree)
+    K "auto", a plain drafter             automatic K (policy/adaptive_k.py) picks each K
+    K "auto", a drafter that stops on its own doubt
+                                          automatic K only decides whether to draft at all;
+                                          the drafter may then use the whole row budget
+    K "auto", a drafter that plans its own length (hybrid)
+                                          it gets the whole row budget as k every round
+    tree "on" | "auto"                    a tree every round | where trees have paid
+                                          (policy/tree_choice.py, learnt across requests)
+
+A round never drafts more than the tokens still to emit, less the target's own token.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from understudy.policy.adaptive_k import AdaptiveK
+from understudy.policy.costs import Costs
+from understudy.policy.tree_choice import TreeOrChain
+
+
+@dataclass(frozen=True)
+class Plan:
+    k: int  # chain guesses, or a tree's depth; 0 = a plain target pass
+    tree: bool
+    nodes: int  # most nodes of a tree (its rows in the target pass)
+
+
+class RoundPlanner:
+    """The plans of one request's rounds (a fresh one per request: determinism)."""
+
+    def __init__(
+        self,
+        k: int | str,
+        rows: int,
+        tree_mode: str,
+        costs: Costs,
+        plans_length: bool,
+        stops_by_confidence: bool,
+        shapes: TreeOrChain | None,
+    ) -> None:
+        self.k = k
+        self.k_max = rows - 1  # the target's own token takes one row of the pass
+        self.tree_mode = tree_mode
+        self.stops_by_confidence = stops_by_confidence
+        self.shapes = shapes  # tree="auto": shared across the engine's requests
+        automatic = k == "auto" and not plans_length
+        self.adaptive = AdaptiveK(self.k_max, costs.draft_step, costs.row) if automatic else None
+
+    def plan(self, remaining: int) -> Plan:
+        tree = self.tree_mode == "on" or (self.shapes is not None and self.shapes.choose())
+        if self.adaptive is None:
+            k = self.k_max if self.k == "auto" else int(self.k)
+        else:  # a tree's depth plays K's part; a chain stopping on doubt gets the budget
+            k = self.adaptive.choose()
+            if k and self.stops_by_confidence and not tree:
+                k = self.k_max
+        return Plan(min(k, remaining - 1), tree, self.k_max)
+
+    def observe(self, tree: bool, drafted: int, accepted: int, depth: int) -> None:
+        """A verified round: a tree or a chain of `drafted` guesses (nodes), `accepted` of
+        them kept, `depth` its depth (a chain's is its length)."""
+        if self.adaptive is not None:
+            self.adaptive.observe(depth, accepted)
+        if self.shapes is not None and drafted:
+            self.shapes.observe(tree, accepted + 1, drafted, depth)
