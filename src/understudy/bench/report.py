@@ -24,7 +24,9 @@ NOTES = (
     "× plain decode: the same without prefill. accept: accepted / drafted; acc. len: mean "
     "accepted length (bonus/correction included); accept @i: share of rounds whose i-th "
     "drafted token was kept; c: one drafted token's cost / one target pass, measured; "
-    "identical: outputs equal to plain greedy decoding (ours)."
+    "identical: outputs equal to plain greedy decoding (ours; llama.cpp's rows: to "
+    "llama.cpp-plain's text). llama.cpp's rows are its llama-speculative-simple on the same "
+    "GGUF files and prompts, timed by itself."
 )
 
 

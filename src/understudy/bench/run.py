@@ -21,8 +21,19 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from understudy.bench.engines import BASELINE, ModelPool, assemble_engine, parse_methods
 from understudy.bench.hf_peer import HF_ASSISTED, HF_METHODS, HFPeer
+from understudy.bench.llama_cpp import (
+    IDENTITY_REFERENCE,
+    LlamaCppPeer,
+    find_programs,
+    gguf_file,
+    is_llama_cpp,
+    llama_cpp_labels,
+)
+from understudy.bench.llama_cpp_output import llama_bench_markdown
 from understudy.bench.prompts import (
     DEFAULT_PER_CATEGORY,
     SHIPPED_SETS,
@@ -33,10 +44,12 @@ from understudy.bench.prompts import (
 from understudy.bench.report import NOTES, markdown_table, rich_table
 from understudy.bench.summary import identity_flags, summarize
 from understudy.config import SamplingParams, UnderstudyError, parse_num_speculative_tokens
+from understudy.models.registry import DEFAULT_TARGET
 
 SCHEMA = "understudy-bench/1"
 WARMUP_TOKENS = 4
 COMPARE_CHOICES = ("hf", "hf-plain", "hf-assisted", "hf-lookup")  # hf = all three peers
+# and llama.cpp's peers (bench/llama_cpp.py): llama.cpp, llama.cpp-plain, llama.cpp-draft[:k=N]
 
 
 @dataclass
@@ -57,11 +70,12 @@ class BenchConfig:
     seed: int = 0
     warmup: bool = True
     resume: bool = False  # keep the finished prompts of out/results.json from the same config
+    llama_cpp_bin: str | None = None  # where llama.cpp's programs are (None: llama_cpp.py)
 
     def comparable(self) -> dict[str, Any]:
         """The settings that decide the measurements (not where they go or how they resume)."""
         d = asdict(self)
-        for key in ("out", "warmup", "resume"):
+        for key in ("out", "warmup", "resume", "llama_cpp_bin"):
             d.pop(key)
         return d
 
@@ -88,6 +102,8 @@ class BenchConfig:
             parts += ["--max-context", str(self.max_context)]
         if self.seed != default.seed:
             parts += ["--seed", str(self.seed)]
+        if self.llama_cpp_bin:
+            parts += ["--llama-cpp-bin", self.llama_cpp_bin]
         return shlex.join(parts)
 
 
@@ -151,13 +167,19 @@ class Bench:
         cfg = self.cfg
         if cfg.repeats < 1:
             raise UnderstudyError(f"repeats must be >= 1, got {cfg.repeats}")
-        peers = [] if cfg.compare is None else cfg.compare.split(",")
+        entries = [] if cfg.compare is None else cfg.compare.split(",")
+        peers = [p for p in entries if not is_llama_cpp(p)]
         if cfg.compare is not None and not all(p in COMPARE_CHOICES for p in peers):
             raise UnderstudyError(
-                f"--compare takes hf or a comma list of hf-plain, hf-assisted, hf-lookup; "
-                f"got {cfg.compare!r}"
+                f"--compare takes hf, llama.cpp or a comma list of hf-plain, hf-assisted, "
+                f"hf-lookup, llama.cpp-plain, llama.cpp-draft[:k=N]; got {cfg.compare!r}"
             )
         self.peer_methods = HF_METHODS if "hf" in peers else tuple(peers)
+        self.llama_methods = llama_cpp_labels([p for p in entries if is_llama_cpp(p)])
+        if self.llama_methods:
+            if cfg.temperature != 0:
+                raise UnderstudyError("--compare llama.cpp runs greedy only: --temperature 0")
+            self.llama_programs = find_programs(cfg.llama_cpp_bin)
         self.params = SamplingParams(
             max_tokens=cfg.max_tokens,
             temperature=cfg.temperature,
@@ -184,7 +206,19 @@ class Bench:
             assistant = self.pool.draft(None) if wants_draft else None
             with self.console.status("wrapping the same weights for transformers.generate..."):
                 self.peer = HFPeer(self.target_model, assistant, self.peer_methods)
+        self.llama = None
+        if self.llama_methods:
+            draft = self.pool.draft_spec
+            self.llama = LlamaCppPeer(
+                self.llama_programs,
+                gguf_file(cfg.target or DEFAULT_TARGET, "--target"),
+                gguf_file(draft, "--draft") if draft is not None else None,
+                self.llama_methods,
+                threads=torch.get_num_threads(),
+                max_context=cfg.max_context,
+            )
         self.labels = [s.label for s in self.specs] + (self.peer.methods if self.peer else [])
+        self.labels += self.llama.methods if self.llama else []
         baseline = self.engines[BASELINE]
         self.prompt_ids = {p.id: baseline.encode(p.prompt) for p in self.prompts}
 
@@ -195,7 +229,7 @@ class Bench:
                 "k": e.k,
                 "verify_rows": e.runner.rows,
                 "exact": e.exact,
-                "cost_ratio": e.cost_ratio if e.proposer is not None else None,
+                "cost_ratio": e.costs.draft_step if e.drafter is not None else None,
                 "options": spec.options,
                 "draft_quantization": self.pool.scheme(spec.draft_quantization)
                 if spec.needs_draft_model
@@ -206,6 +240,8 @@ class Bench:
         }
         if self.peer is not None:
             engines.update(self.peer.describe())
+        if self.llama is not None:
+            engines.update(self.llama.describe())
         return engines
 
     # -- running -----------------------------------------------------------------------------
@@ -214,11 +250,21 @@ class Bench:
         if label in self.engines:
             out = self.engines[label].generate(ids, params)
             return out.token_ids, out.text, out.stats.to_dict()
+        if self.llama is not None and label in self.llama.methods:
+            run = self.llama.generate(label, self._prompt_text(ids), len(ids), params)
+            return None, run.text, run.stats()  # text only: llama.cpp prints no token ids
         assert self.peer is not None
         result = self.peer.generate(label, ids, params)
         tok = self.target_model.tokenizer
         text = tok.decode(result.token_ids, skip_special_tokens=True) if tok is not None else ""
         return result.token_ids, text, result.stats(label)
+
+    def _prompt_text(self, ids: list[int]) -> str:
+        """The text llama.cpp is given: our prompt's tokens, special tokens kept."""
+        tok = self.target_model.tokenizer
+        if tok is None:
+            raise UnderstudyError("--compare llama.cpp needs a target with a tokenizer")
+        return tok.decode(ids, skip_special_tokens=False, clean_up_tokenization_spaces=False)
 
     def _warmup(self) -> None:
         ids = self.prompt_ids[self.prompts[0].id][:8]
@@ -230,7 +276,8 @@ class Bench:
     def _finalize(self, interrupted: bool, started: float) -> dict[str, Any]:
         res = self.results
         runs = res["runs"]
-        identity_flags(runs, BASELINE, self.params.greedy)
+        llama = self.llama.methods if self.llama is not None else []
+        identity_flags(runs, BASELINE, self.params.greedy, dict.fromkeys(llama, IDENTITY_REFERENCE))
         res["summary"] = summarize(runs, self.labels, self.categories, BASELINE)
         res["interrupted"] = interrupted
         res["complete"] = not interrupted and len(runs) == res["planned_runs"]
@@ -271,6 +318,8 @@ class Bench:
             if res.get("loadavg_start") is not None and res.get("loadavg_end") is not None
             else f"{env['cpu']}, {env['cpu_count']} cores"
         )
+        if res.get("llama_bench"):
+            md += "\n\n" + llama_bench_markdown(res["llama_bench"])
         (out / "results.md").write_text(
             f"{self._title()}\n\n`{res['command']}`\n\n{md}\n\n{NOTES}\n\nMachine: {machine}.\n",
             encoding="utf-8",
@@ -341,6 +390,10 @@ class Bench:
                         )
                         bar.update(1)
                         _write_json(out / "results.json", res)
+            if self.llama is not None:
+                with self.console.status("llama-bench on the GGUF files..."):
+                    rows = self.llama.llama_bench(tg=cfg.max_tokens)
+                res["llama_bench"] = [row.to_dict() for row in rows]
         except KeyboardInterrupt:
             interrupted = True
             self.console.print("[yellow]interrupted: keeping the runs so far[/yellow]")

@@ -1,4 +1,4 @@
-"""From individual runs to per-method, per-category figures (DESIGN.md section 2 vocabulary).
+"""From individual runs to per-method, per-category figures (the vocabulary of engine/stats.py).
 
 A run is one (repeat, prompt, method) generation: a dict with "label", "prompt_id",
 "category", "repeat", "token_ids" and "stats" (GenerationStats.to_dict(), or the peer's
@@ -12,6 +12,7 @@ subset of it). Figures per (label, category), "all" being every category togethe
   summed counts of every run (these are the same in every repeat for greedy decoding).
 - identical: runs whose token_ids equal the baseline's first repeat of the same prompt
   (greedy only; None when sampling). For the baseline itself: repeats agree.
+  llama.cpp's runs are checked against llama.cpp-plain instead, text to text.
 - c (measured): (draft_s / drafted) / (verify_s / rounds), i.e. one drafted token's cost over
   one verify pass's, both as timed inside the engine (the draft's catch-up pass included).
 - alpha_implied: the per-token acceptance α that gives the measured mean accepted length at
@@ -59,23 +60,40 @@ def _rate(runs: list[dict[str, Any]], key_time: str, decode: bool = False) -> fl
     return tokens / seconds if seconds > 0 else None
 
 
-def identity_flags(runs: list[dict[str, Any]], baseline: str, greedy: bool) -> None:
-    """Set run["identical"]: token_ids equal the baseline's earliest repeat of that prompt."""
-    plain: dict[str, list[int]] = {}
+def identity_flags(
+    runs: list[dict[str, Any]],
+    baseline: str,
+    greedy: bool,
+    references: dict[str, str] | None = None,
+) -> None:
+    """Set run["identical"]: its output equals that of the earliest repeat of the same prompt
+    under its reference label, the baseline unless `references` maps its label to another.
+    Outputs are token_ids; a run without them (a peer that prints only text, such as
+    llama.cpp, checked against its own plain decoding) must begin with the reference's text."""
+    first: dict[tuple[str, str], dict[str, Any]] = {}
     for r in sorted(runs, key=lambda r: r["repeat"]):
-        if r["label"] == baseline:
-            plain.setdefault(r["prompt_id"], r["token_ids"])
+        first.setdefault((r["label"], r["prompt_id"]), r)
     for r in runs:
-        ref = plain.get(r["prompt_id"])
-        r["identical"] = None if not greedy or ref is None else r["token_ids"] == ref
+        ref = first.get(((references or {}).get(r["label"], baseline), r["prompt_id"]))
+        if not greedy or ref is None:
+            r["identical"] = None
+        elif r["token_ids"] is not None:
+            r["identical"] = r["token_ids"] == ref["token_ids"]
+        else:  # llama.cpp's speculative run may make up to K tokens more than asked
+            r["identical"] = r["text"].startswith(ref["text"])
 
 
 def _counts(runs: list[dict[str, Any]]) -> dict[str, Any]:
     s = [r["stats"] for r in runs]
-    if not s or "rounds" not in s[0]:  # the peer: no round statistics
+    if not s or "rounds" not in s[0]:  # a peer: no round statistics
         passes = sum(x.get("target_passes", 0) for x in s)
         tokens = sum(x["tokens"] for x in s)
-        return {"tokens_per_pass": tokens / passes if passes else None}
+        drafted = sum(x.get("drafted", 0) for x in s)
+        accepted = sum(x.get("accepted", 0) for x in s)
+        return {
+            "tokens_per_pass": tokens / passes if passes else None,
+            "acceptance_rate": accepted / drafted if drafted else None,
+        }
     tokens = sum(x["tokens"] for x in s)
     passes = sum(x["target_passes"] for x in s)
     rounds = sum(x["rounds"] for x in s)

@@ -2,6 +2,7 @@
 
     understudy bench                                   # headline: 3 prompts/category, 96 tokens
     understudy bench --compare hf                      # + transformers' generate() peers
+    understudy bench --compare hf,llama.cpp            # + llama.cpp's programs (built by you)
     understudy bench --prompts my.jsonl --methods none,draft,draft:k=2 --repeats 3
     understudy bench --per-category 0                  # every shipped prompt
 
@@ -48,7 +49,17 @@ def bench(
         typer.Option(
             help="hf: also run transformers' generate() plain, with assistant_model= and with "
             "prompt_lookup_num_tokens= on the same weights; or a comma list of hf-plain, "
-            "hf-assisted, hf-lookup."
+            "hf-assisted, hf-lookup. llama.cpp: also run llama.cpp's llama-speculative-simple "
+            "(llama.cpp-plain, llama.cpp-draft, llama.cpp-draft:k=N; greedy) and llama-bench "
+            "on the same GGUF files; it needs those programs built (see --llama-cpp-bin)."
+        ),
+    ] = None,
+    llama_cpp_bin: Annotated[
+        str | None,
+        typer.Option(
+            help="Folder of llama.cpp's llama-bench and llama-speculative-simple (build them "
+            "from llama.cpp's sources with cmake). Default: $UNDERSTUDY_LLAMA_CPP_BIN, else "
+            "<cache>/llama.cpp/bin, else PATH."
         ),
     ] = None,
     per_category: Annotated[
@@ -96,6 +107,7 @@ def bench(
         max_context=max_context,
         seed=seed,
         resume=resume,
+        llama_cpp_bin=llama_cpp_bin,
     )
     err = Console(stderr=True, highlight=False)
     runner = Bench(config, err, progress=progress)
