@@ -32,9 +32,11 @@ def main(max_tokens: int = 96) -> None:
     results = {}
     for name, engine in (("plain (method=none)", plain), ("speculative (method=draft)", spec)):
         console.rule(name)
-        console.print(PROMPT, end="", style="dim")
+        console.print(PROMPT, end="", style="dim", markup=False)
         out = engine.generate(
-            PROMPT, params, on_token=lambda e: console.print(e.text, style=STYLE[e.origin], end="")
+            PROMPT,
+            params,
+            on_token=lambda e: console.print(e.text, style=STYLE[e.origin], end="", markup=False),
         )
         console.print()
         results[name] = out
