@@ -11,18 +11,16 @@ results so far are summarised, tabled and plotted.
 from __future__ import annotations
 
 import json
-import os
-import platform
-import shlex
 import time
 import warnings
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from understudy.bench.config import SCHEMA, BenchConfig, environment, loadavg, write_json
 from understudy.bench.engines import BASELINE, ModelPool, assemble_engine, parse_methods
 from understudy.bench.hf_peer import HF_ASSISTED, HF_METHODS, HFPeer
 from understudy.bench.llama_cpp import (
@@ -46,108 +44,9 @@ from understudy.bench.summary import identity_flags, summarize
 from understudy.config import SamplingParams, UnderstudyError, parse_num_speculative_tokens
 from understudy.models.registry import DEFAULT_TARGET
 
-SCHEMA = "understudy-bench/1"
 WARMUP_TOKENS = 4
 COMPARE_CHOICES = ("hf", "hf-plain", "hf-assisted", "hf-lookup")  # hf = all three peers
 # and llama.cpp's peers (bench/llama_cpp.py): llama.cpp, llama.cpp-plain, llama.cpp-draft[:k=N]
-
-
-@dataclass
-class BenchConfig:
-    prompts: list[str] | None = None  # .jsonl paths or shipped set names; None = all four
-    methods: str = "none,draft"
-    k: str = "auto"
-    max_tokens: int = 96
-    temperature: float = 0.0
-    repeats: int = 1
-    compare: str | None = None
-    per_category: int = DEFAULT_PER_CATEGORY  # 0 = every prompt
-    out: Path = field(default_factory=lambda: Path("bench-results"))
-    target: str | None = None
-    draft: str | None = None
-    dtype: str = "auto"
-    max_context: int = 4096
-    seed: int = 0
-    warmup: bool = True
-    resume: bool = False  # keep the finished prompts of out/results.json from the same config
-    llama_cpp_bin: str | None = None  # where llama.cpp's programs are (None: llama_cpp.py)
-
-    def comparable(self) -> dict[str, Any]:
-        """The settings that decide the measurements (not where they go or how they resume)."""
-        d = asdict(self)
-        for key in ("out", "warmup", "resume", "llama_cpp_bin"):
-            d.pop(key)
-        return d
-
-    def command(self) -> str:
-        """The `understudy bench` command line that reproduces this configuration."""
-        default = BenchConfig()
-        parts = ["understudy", "bench"]
-        for spec in self.prompts or []:
-            parts += ["--prompts", spec]
-        for name in ("methods", "k", "max_tokens", "temperature", "repeats", "compare"):
-            value = getattr(self, name)
-            if value != getattr(default, name) and value is not None:
-                parts += [f"--{name.replace('_', '-')}", str(value)]
-        if self.per_category != default.per_category:
-            parts += ["--per-category", str(self.per_category)]
-        if Path(self.out) != default.out:
-            parts += ["--out", str(self.out)]
-        for name in ("target", "draft"):
-            if getattr(self, name):
-                parts += [f"--{name}", getattr(self, name)]
-        if self.dtype != default.dtype:
-            parts += ["--dtype", self.dtype]
-        if self.max_context != default.max_context:
-            parts += ["--max-context", str(self.max_context)]
-        if self.seed != default.seed:
-            parts += ["--seed", str(self.seed)]
-        if self.llama_cpp_bin:
-            parts += ["--llama-cpp-bin", self.llama_cpp_bin]
-        return shlex.join(parts)
-
-
-def _environment(target_model: Any) -> dict[str, Any]:
-    import torch
-    import transformers
-
-    from understudy import __version__
-    from understudy.models.loader import cpu_has_native_bf16
-
-    cpu = platform.processor()
-    try:
-        with open("/proc/cpuinfo") as f:
-            cpu = next(
-                (ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")), cpu
-            )
-    except OSError:
-        pass
-    return {
-        "understudy": __version__,
-        "torch": torch.__version__,
-        "transformers": transformers.__version__,
-        "python": platform.python_version(),
-        "cpu": cpu,
-        "cpu_count": os.cpu_count(),
-        "torch_threads": torch.get_num_threads(),
-        "native_bf16": cpu_has_native_bf16(),
-        "device": str(target_model.model.device),
-        "dtype": str(target_model.model.dtype).removeprefix("torch."),
-        "cuda": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
-    }
-
-
-def _loadavg() -> float | None:
-    try:
-        return os.getloadavg()[0]
-    except OSError:
-        return None
-
-
-def _write_json(path: Path, payload: dict[str, Any]) -> None:
-    tmp = path.with_suffix(".json.tmp")
-    tmp.write_text(json.dumps(payload, indent=1))
-    os.replace(tmp, path)
 
 
 class Bench:
@@ -283,7 +182,7 @@ class Bench:
         res["complete"] = not interrupted and len(runs) == res["planned_runs"]
         res["finished_at"] = datetime.now(timezone.utc).isoformat(timespec="seconds")
         res["elapsed_s"] = time.perf_counter() - started
-        res["loadavg_end"] = _loadavg()
+        res["loadavg_end"] = loadavg()
         return res
 
     def _title(self) -> str:
@@ -308,7 +207,7 @@ class Bench:
             res["plots"] = [p.name for p in paths]
         except ImportError:
             self.console.print("[yellow]matplotlib is not installed: no plots[/yellow]")
-        _write_json(out / "results.json", res)
+        write_json(out / "results.json", res)
         md = markdown_table(summary, self.labels, self.categories)
         env = res["environment"]
         machine = (
@@ -337,7 +236,7 @@ class Bench:
             "schema": SCHEMA,
             "command": cfg.command(),
             "config": {**asdict(cfg), "out": str(cfg.out)},
-            "environment": _environment(self.target_model),
+            "environment": environment(self.target_model),
             "baseline": BASELINE,
             "labels": self.labels,
             "categories": self.categories,
@@ -352,7 +251,7 @@ class Bench:
                 for p in self.prompts
             ],
             "started_at": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-            "loadavg_start": _loadavg(),
+            "loadavg_start": loadavg(),
             "planned_runs": cfg.repeats * len(self.prompts) * len(self.labels),
             "runs": [],
         }
@@ -382,14 +281,14 @@ class Bench:
                                 "category": p.category,
                                 "repeat": rep,
                                 "slot": slot,
-                                "loadavg": _loadavg(),
+                                "loadavg": loadavg(),
                                 "token_ids": token_ids,
                                 "text": text,
                                 "stats": stats,
                             }
                         )
                         bar.update(1)
-                        _write_json(out / "results.json", res)
+                        write_json(out / "results.json", res)
             if self.llama is not None:
                 with self.console.status("llama-bench on the GGUF files..."):
                     rows = self.llama.llama_bench(tg=cfg.max_tokens)
