@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import itertools
 import warnings
+from dataclasses import replace
 
 import pytest
 import torch
@@ -142,7 +143,9 @@ def test_greedy_identity_default_configuration(tiny_pair):
     spec = Engine.from_pretrained(target=target, draft=draft, dtype="float32")
     plain = Engine.from_pretrained(target=target, method="none", dtype="float32")
     assert spec.exact and plain.exact and spec.runner.rows == plain.runner.rows
-    spec.cost_ratio = 0.05  # as for a cheap draft: auto K then drafts up to rows - 1 tokens
+    spec.costs = replace(
+        spec.costs, draft_step=0.05
+    )  # as for a cheap draft: auto K then drafts up to rows - 1 tokens
     params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
     drafted = 0
     for prompt in random_prompts(10, seed=3):

@@ -12,6 +12,7 @@ e. KV compaction: after keep_path the cache holds the path as a chain would have
 from __future__ import annotations
 
 import warnings
+from dataclasses import replace
 
 import pytest
 import torch
@@ -218,8 +219,8 @@ def test_greedy_tree_identity(tiny_pair, dtype, rows, branching, k):
         tree="on",
         tree_branching=branching,
     )
-    assert spec.tree and spec.exact is spec.rows_exact  # trees cost no exactness
-    spec.cost_ratio = 0.05  # auto K: a cheap draft, deep trees
+    assert spec.tree  # stats.exact is the row budget's alone: trees cost no exactness
+    spec.costs = replace(spec.costs, draft_step=0.05)  # auto K: a cheap draft, deep trees
     plain = spec.with_method("none")
     params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
     drafted = accepted = 0

@@ -55,6 +55,10 @@ def serve(
         str | None, typer.Option(help="The model id clients send (default: the target's name).")
     ] = None,
     dtype: Annotated[str, typer.Option(help="auto | float32 | bfloat16 | float16")] = "auto",
+    quantization: Annotated[
+        str,
+        typer.Option(help="auto | none | gguf (a GGUF model from its own blocks, on a CPU)."),
+    ] = "auto",
     max_context: Annotated[int, typer.Option(help="Prompt + generation, in tokens.")] = 4096,
     max_body_bytes: Annotated[int, typer.Option(help="Largest request body accepted.")] = 1 << 20,
     header_timeout: Annotated[
@@ -139,6 +143,7 @@ def serve(
         method=method,
         num_speculative_tokens=k,
         dtype=dtype,
+        quantization=quantization,
         max_context=max_context,
     )
     app_options = dict(
