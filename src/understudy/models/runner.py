@@ -103,7 +103,7 @@ class Runner:
         hidden = self.model.hidden_states(tokens, positions, slots, mask, key_slots, split)
         self.last_hidden = hidden[:n]
         rows = hidden if logit_rows is None else hidden[logit_rows]
-        return self.model.lm_head(rows).float()
+        return self.model.logits(rows)  # [R, V] float32 (final soft cap included)
 
     @torch.inference_mode()
     def tree_pass(
