@@ -165,7 +165,7 @@ def test_inference_sees_what_training_saw(trained):
     the training path's argmax of step s at the same position: the features reach the head
     at the right positions through the engine's rounds, and training's unrolled steps attend
     as drafting does (EagleHead.sequence). Mutation: with steps s > 1 attending to their
-    own step's pairs (the scheme before session 15), the deeper guesses differ."""
+    own step's pairs (an earlier training scheme), the deeper guesses differ."""
     target, folder, _ = trained
     engine = Engine.from_pretrained(
         target=target, method="eagle", draft=str(folder), dtype="float32",

@@ -50,9 +50,8 @@ from understudy.verify.sampling import sample, warp_probs
 TREE_SLOTS = 256
 # draft_path_confidence under automatic K: a guess is worth drafting while the chance that
 # the round is kept up to it beats its cost in tokens, ~(c + v) * tokens per pass: c ~ 0.03
-# for the head, v ~ 0 on padded passes, ~1.7 tokens a pass. Measured once (session 10 in
-# docs/eagle-sessions.md; padded bf16, 8 completion prompts): 0.05 -> 1.51x plain, 0.1 ->
-# 1.46x, off -> 1.42x
+# for the head, v ~ 0 on padded passes, ~1.7 tokens a pass; on padded bf16 passes over 8
+# completion prompts 0.05 was the fastest of 0.05, 0.1 and off (docs/eagle-sessions.md)
 AUTO_PATH_CONFIDENCE = 0.05
 
 
@@ -103,10 +102,9 @@ class EagleProposer(DoubtRules):
         defaults = {
             "head": None,
             # trees where they pay (tree_choice.py), 4 children a node. On the 1.5B target:
-            # bf16 padded passes, where rows are free, chains 1.55x plain, tree="auto"
-            # 1.78-1.94x, "on" 1.89-1.98x; float32 unpadded passes, where each row costs,
-            # chains 1.24x, "auto" 1.20x, "on" 1.00x. Branching 4 kept 2.26-2.29 tokens a
-            # tree round against 2.14 for 2 (docs/eagle-sessions.md, session 12)
+            # trees beat chains where rows are free (padded bf16 passes) and lose where each
+            # row costs (unpadded float32), so "auto" learns which; 4 children kept more
+            # tokens a tree round than 2 (measurements: docs/eagle-sessions.md)
             "tree": "auto",
             "tree_branching": 4,
             "draft_confidence": 0.0,
@@ -138,8 +136,8 @@ class EagleProposer(DoubtRules):
 
     def quantize(self, scheme: str) -> None:
         """Quantize the head's linears, its LM rows included (models/quant.py), in place. It
-        only drafts, so this changes how often guesses are kept, never the output. Session
-        13: int4-g32 halved a head step (2-core CPU) and moved held-out agreement by <= 0.004."""
+        only drafts, so this changes how often guesses are kept, never the output (int4-g32
+        halved a head step on a 2-core CPU and moved held-out agreement by <= 0.004)."""
         quantize_model(self.head, scheme)
 
     def begin(self, prompt_ids: list[int]) -> None:
