@@ -55,6 +55,18 @@ class Proposal:
 EMPTY = Proposal(torch.zeros(0, dtype=torch.long), None)
 
 
+@dataclass(frozen=True)
+class ChainRequest:
+    """One sequence's part of a batched draft (Drafter.propose_batch): up to k guesses
+    after `tokens`, by its own drafter, with its own sampling parameters and generator."""
+
+    drafter: Drafter
+    tokens: list[int]
+    k: int
+    params: SamplingParams
+    generator: torch.Generator
+
+
 class Drafter:
     """The base of every drafter. Subclasses implement `from_models` and `propose`; every
     other hook's default body is what a drafter without that ability should do."""
@@ -102,6 +114,25 @@ class Drafter:
 
     def commit(self, tokens: list[int]) -> None:
         """The round is over: `tokens` is the sequence as it now stands."""
+
+    def for_seat(self, index: int) -> Drafter:
+        """A drafter of this kind for seat `index` (>= 1) of a batched engine (engine/batch.py):
+        its own per-request state (and, with a draft model, its own region of the draft's KV
+        cache), sharing what is shared across requests (weights, a cache of outputs). Seat 0
+        is this drafter itself. A drafter that cannot is refused here, at build."""
+        raise UnderstudyError(
+            f"{type(self).__name__} does not run in a batch yet (max_num_seqs > 1)"
+        )
+
+    @classmethod
+    def propose_batch(cls, chains: list[ChainRequest]) -> list[Proposal]:
+        """Chains for several sequences of a batch at once, one per ChainRequest, each
+        exactly what its drafter's `propose` would return alone. The default drafts one
+        sequence after another; a drafter with a model steps them all in shared passes."""
+        return [
+            c.drafter.propose(c.tokens, c.k, c.params, c.generator) if c.k > 0 else EMPTY
+            for c in chains
+        ]
 
     def end(self, tokens: list[int]) -> None:
         """The request is over with these tokens (e.g. a cache across requests learns them)."""

@@ -36,11 +36,12 @@ from __future__ import annotations
 import torch
 
 from understudy.config import SamplingParams
-from understudy.drafters.base import EMPTY, Proposal, register
+from understudy.drafters.base import EMPTY, ChainRequest, Proposal, register
 from understudy.drafters.calibration import DoubtRules, RoundRecord, chain_and_tree_options
 from understudy.drafters.tree_search import BestFirstTree, tree_log_scores
 from understudy.models.loader import LoadedModel
 from understudy.models.runner import Runner
+from understudy.models.shared_pass import extend_together
 from understudy.verify.sampling import sample, warp_probs
 
 # draft_path_confidence under automatic K. A guess is worth drafting while the chance that it
@@ -94,34 +95,48 @@ class DraftModelProposer(DoubtRules):
         self.runner.truncate(0)
         self.record = RoundRecord()
 
+    def for_seat(self, index: int) -> DraftModelProposer:
+        runner = self.runner
+        seat = Runner(runner.model, runner.max_context, first_slot=index * runner.slots)
+        return DraftModelProposer(
+            seat, self.tree, self.branching, self.confidence, self.path_confidence
+        )
+
     def propose(
         self, tokens: list[int], k: int, params: SamplingParams, generator: torch.Generator
     ) -> Proposal:
-        device = self.runner.model.device
+        chain = DraftChain(self, tokens, k, params, generator)
         logits = self._catch_up(tokens)  # [1, V]
-        draft_ids: list[torch.Tensor] = []
-        draft_probs: list[torch.Tensor] = []
-        path = 1.0  # the calibrated chance that the guesses so far are all kept
-        own_probs: list[float] = []
-        for i in range(k):
-            q = None if params.greedy else warp_probs(logits, params)  # [1, V]
-            token = logits.argmax(-1) if q is None else sample(q, generator)  # [1]
-            if self.confidence or self.path_confidence:
-                own = self._own_probability(logits, q, token)
-                path *= self.calibration.estimate(own)
-                doubt, path_doubt = self.confidence or 0.0, self.path_confidence or 0.0
-                if i > 0 and (own < doubt or path < path_doubt):
-                    break
-                own_probs.append(own)
-            if q is not None:
-                draft_probs.append(q[0])
-            draft_ids.append(token)
-            if i < k - 1:
-                logits = self.runner.extend(token.to(device))
-                self.fed.append(int(token))
-        ids = torch.cat(draft_ids).cpu()  # [k]
-        self.record.remember(tokens, ids.tolist(), own_probs)
-        return Proposal(ids, torch.stack(draft_probs).cpu() if draft_probs else None)
+        while (token := chain.take(logits)) is not None:
+            logits = self.runner.extend(token.to(self.runner.model.device))
+            self.fed.append(int(token))
+        return chain.proposal()
+
+    @classmethod
+    def propose_batch(cls, chains: list[ChainRequest]) -> list[Proposal]:
+        """Every sequence's chain, each draft step of all of them in shared passes of the
+        draft model (models/shared_pass.py). A sampled sequence steps in passes of its own:
+        its draft probabilities enter the acceptance test, and the draft's kernels need not
+        be row-invariant, so they are computed exactly as its solo run computes them."""
+        steps = [
+            DraftChain(c.drafter, c.tokens, c.k, c.params, c.generator)
+            for c in chains
+            if isinstance(c.drafter, DraftModelProposer)
+        ]
+        assert len(steps) == len(chains), "a batch of draft-model drafters"
+        active = [chain for chain in steps if chain.k > 0]
+        fed = [torch.tensor(c.tokens[c.drafter.runner.length :]) for c in active]
+        logits = together([c.drafter.runner for c in active], fed, [c.greedy for c in active])
+        for chain in active:
+            chain.drafter.fed = chain.tokens[: chain.drafter.runner.length]
+        while active:
+            next_tokens = [chain.take(row) for chain, row in zip(active, logits, strict=True)]
+            active = [c for c, t in zip(active, next_tokens, strict=True) if t is not None]
+            fed = [t for t in next_tokens if t is not None]
+            for chain, token in zip(active, fed, strict=True):
+                chain.drafter.fed.append(int(token))
+            logits = together([c.drafter.runner for c in active], fed, [c.greedy for c in active])
+        return [chain.proposal() for chain in steps]
 
     @staticmethod
     def _own_probability(
@@ -184,3 +199,67 @@ class DraftModelProposer(DoubtRules):
             keep += 1
         self.runner.truncate(min(keep, self.runner.length))
         del self.fed[keep:]
+
+
+class DraftChain:
+    """One sequence's chain as it is drafted, guess by guess: `take` draws the next guess
+    from the draft's logits after the guesses so far, applying the doubt rules, and says
+    whether the draft must be fed that guess to go on."""
+
+    def __init__(
+        self,
+        drafter: DraftModelProposer,
+        tokens: list[int],
+        k: int,
+        params: SamplingParams,
+        generator: torch.Generator,
+    ) -> None:
+        self.drafter, self.tokens, self.k = drafter, tokens, k
+        self.params, self.generator = params, generator
+        self.greedy = params.greedy
+        self.ids: list[torch.Tensor] = []
+        self.probs: list[torch.Tensor] = []
+        self.own: list[float] = []
+        self.path = 1.0  # the calibrated chance that the guesses so far are all kept
+
+    def take(self, logits: torch.Tensor) -> torch.Tensor | None:
+        """logits [1, V]: the draft's after tokens + guesses so far. Returns the guess [1] to
+        feed the draft before the next `take`, or None when the chain is complete."""
+        drafter, i = self.drafter, len(self.ids)
+        q = None if self.greedy else warp_probs(logits, self.params)  # [1, V]
+        token = logits.argmax(-1) if q is None else sample(q, self.generator)  # [1]
+        if drafter.confidence or drafter.path_confidence:
+            own = drafter._own_probability(logits, q, token)
+            self.path *= drafter.calibration.estimate(own)
+            doubt, path_doubt = drafter.confidence or 0.0, drafter.path_confidence or 0.0
+            if i > 0 and (own < doubt or self.path < path_doubt):
+                return None
+            self.own.append(own)
+        if q is not None:
+            self.probs.append(q[0])
+        self.ids.append(token)
+        return token if i < self.k - 1 else None
+
+    def proposal(self) -> Proposal:
+        if not self.ids:
+            return EMPTY
+        ids = torch.cat(self.ids).cpu()  # [k']
+        self.drafter.record.remember(self.tokens, ids.tolist(), self.own)
+        return Proposal(ids, torch.stack(self.probs).cpu() if self.probs else None)
+
+
+def together(
+    runners: list[Runner], tokens: list[torch.Tensor], greedy: list[bool]
+) -> list[torch.Tensor]:
+    """The last row's logits [1, V] of each runner after feeding it tokens[i]: the greedy
+    sequences' rows in one shared pass, each sampled sequence's in a pass of its own."""
+    out: list[torch.Tensor | None] = [None] * len(runners)
+    shared = [i for i, g in enumerate(greedy) if g]
+    if shared:
+        logits = extend_together([runners[i] for i in shared], [tokens[i] for i in shared], True)
+        for i, row in zip(shared, logits, strict=True):
+            out[i] = row
+    for i, g in enumerate(greedy):
+        if not g:
+            out[i] = runners[i].extend(tokens[i].to(runners[i].model.device), True)
+    return [row for row in out if row is not None]

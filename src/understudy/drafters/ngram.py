@@ -117,6 +117,9 @@ class NgramProposer(Drafter):
     def begin(self, prompt_ids: list[int]) -> None:
         self.index.reset(prompt_ids)
 
+    def for_seat(self, index: int) -> NgramProposer:
+        return NgramProposer(self.index.max_n, self.index.min_n)
+
     def draft(self, tokens: list[int], k: int) -> tuple[list[int], int]:
         """Free guesses (no tensors): (up to k token ids, match length). Used by hybrid."""
         self.index.sync(tokens)

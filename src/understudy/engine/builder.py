@@ -20,6 +20,8 @@ import torch
 from understudy.config import UnderstudyError
 from understudy.drafters import DRAFTERS
 from understudy.drafters.base import Drafter
+from understudy.engine.request import Seat
+from understudy.engine.seats import make_seats
 from understudy.kernels import rowgemm
 from understudy.models.loader import LoadedModel, cpu_has_native_bf16, load_model
 from understudy.models.packed import PACK_FROM_ROWS, can_pack, pack_linears
@@ -27,6 +29,7 @@ from understudy.models.quant import SCHEMES, load_or_quantize
 from understudy.models.registry import DEFAULT_DRAFT, DEFAULT_TARGET
 from understudy.models.runner import Runner
 from understudy.models.transformer import Transformer
+from understudy.policy.batch_plan import BatchCosts, measure_batch_costs
 from understudy.policy.costs import Costs, measure_costs
 
 METHODS = ("none", *DRAFTERS)
@@ -143,6 +146,7 @@ class EngineSpec:
     verify_rows: int | None = None  # rows of a target pass; default: the hardware's
     draft_quantization: str | None = "auto"
     drafter_options: dict[str, object] = field(default_factory=dict)
+    max_num_seqs: int = 1  # seats: sequences decoded together (engine/batch.py)
 
     def __post_init__(self) -> None:
         if self.method not in METHODS:
@@ -182,6 +186,8 @@ class EngineParts:
     max_context: int
     exact: bool
     costs: Costs
+    seats: list[Seat] | None = None  # max_num_seqs > 1: every seat, the engine's own first
+    batch_costs: BatchCosts | None = None
 
 
 def default_draft(target: str | None, draft: str | None) -> str | None:
@@ -268,4 +274,16 @@ def assemble(models: LoadedModels, spec: EngineSpec, draft: str | None = None) -
             )
             drafter.use_costs(costs)
     k = 0 if drafter is None else spec.k
-    return EngineParts(target, runner, drafter, spec.method, k, spec.max_context, exact, costs)
+    seats = make_seats(runner, drafter, spec.max_num_seqs)
+    batch_costs = None
+    if len(seats) > 1:
+        draft = None if drafter is None else drafter.draft_runner()
+        drafts = None if draft is None else [s.drafter.draft_runner() for s in seats]
+        most_rows = len(seats) * (runner.rows or 1)
+        batch_costs = measure_batch_costs(
+            [s.runner for s in seats], [d for d in drafts or [] if d is not None], most_rows
+        )
+    return EngineParts(
+        target, runner, drafter, spec.method, k, spec.max_context, exact, costs, seats,
+        batch_costs,
+    )  # fmt: skip

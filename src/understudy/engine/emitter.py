@@ -105,9 +105,13 @@ class Emitter:
         return ""
 
 
-def token_logprobs(logits: torch.Tensor, token_ids: list[int], top: int) -> list[TokenLogprobs]:
+def token_logprobs(
+    logits: torch.Tensor, token_ids: list[int], top: int | None
+) -> list[TokenLogprobs] | None:
     """Row i of `logits` [n, V] is the position of token_ids[i]: its log-probability under the
-    raw logits and the `top` most likely tokens there with theirs."""
+    raw logits and the `top` most likely tokens there with theirs (None: not asked for)."""
+    if top is None:
+        return None
     logp = torch.log_softmax(logits.float(), dim=-1)  # [n, V]
     chosen = logp[torch.arange(len(token_ids)), torch.tensor(token_ids)].tolist()
     if top == 0:

@@ -10,32 +10,34 @@ other rows of its pass (models/runner.py); sampled output has the target's distr
 applied to every verified row as plain decoding would apply it at that position, so both
 statements hold for the processed distribution.
 
-A tree round (methods "draft" and "eagle", option tree="on" | "auto") scores every node of a
-token tree in one pass (`Runner.tree_pass`); verify/tree.py picks the accepted root-to-node
-path, and `Runner.keep_path` compacts that path's KV to the slots after the prefix, leaving
-the same invariant as a chain round. Each node attends to its path's keys in chain order, so
-its logits are bitwise plain decoding's and stats.exact stays True. Stats: drafted = nodes,
-accepted = path length. Requests with a logits processor draft chains only.
+A tree round (draft and eagle, tree="on" | "auto") scores a token tree in one pass
+(`Runner.tree_pass`), each node over its path's keys in chain order, so bitwise plain
+decoding's; verify/tree.py picks the kept path and `Runner.keep_path` compacts its KV to the
+chain's slots, leaving the same invariant. Stats: drafted = nodes, accepted = path length.
+Requests with a logits processor draft chains only; so do batched rounds (engine/batch.py).
 """
 
 from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, overload
 
 import torch
 
 from understudy.config import SamplingParams, UnderstudyError, parse_num_speculative_tokens
-from understudy.constraints.base import LogitsProcessor, build_processor
+from understudy.constraints.base import build_processor
 from understudy.drafters.base import EMPTY, Drafter, Proposal
+from understudy.engine.batch import BatchLoop, generate_batch
 from understudy.engine.emitter import Emitter, TokenEvent, token_logprobs
 from understudy.engine.outputs import GenerationOutput, RoundEvent, TokenStream
-from understudy.engine.prompts import Prompt, encode_prompt
+from understudy.engine.prompts import Prompt, encode_prompt, is_batch
+from understudy.engine.request import Request, Seat, Verified
+from understudy.engine.seats import make_seats
 from understudy.engine.stats import StatsRecorder
 from understudy.models.loader import LoadedModel
 from understudy.models.runner import Runner
+from understudy.policy.batch_plan import BatchCosts
 from understudy.policy.costs import Costs
 from understudy.policy.planner import Plan, RoundPlanner
 from understudy.policy.tree_choice import TreeOrChain
@@ -46,30 +48,6 @@ from understudy.verify.tree import verify_tree_greedy, verify_tree_sampling
 
 if TYPE_CHECKING:
     from understudy.engine.builder import EngineParts
-
-
-@dataclass
-class Request:
-    """One request in flight (see the module docstring for the invariant on `tokens`)."""
-
-    tokens: list[int]
-    params: SamplingParams
-    generator: torch.Generator
-    emitter: Emitter
-    processor: LogitsProcessor | None
-
-
-@dataclass
-class Verified:
-    """What a round's verification decided: `kept` drafted tokens, then `next_token`."""
-
-    proposal: Proposal
-    kept: list[int]
-    next_token: int
-    bonus: bool
-    depth: int  # a chain's length, a tree's depth
-    raw_logits: torch.Tensor  # [len(kept) + 1, V] the target's rows of the emitted tokens
-    path: list[int] | None = field(default=None)  # a tree round: indices into drafted
 
 
 class Engine:
@@ -85,6 +63,8 @@ class Engine:
         max_context: int,
         exact: bool = True,
         costs: Costs | None = None,
+        seats: list[Seat] | None = None,
+        batch_costs: BatchCosts | None = None,
     ) -> None:
         self.target = target
         self.tokenizer = target.tokenizer
@@ -96,8 +76,12 @@ class Engine:
         self.exact = exact
         self.costs = costs or Costs()
         self.runner.keep_hidden = drafter is not None and drafter.wants_hidden
-        if drafter is not None:
-            drafter.settle_confidence(num_speculative_tokens == "auto")
+        self.seat = Seat(runner, drafter)
+        # many sequences at once (engine/batch.py): seat 0 is this engine's own
+        self.batch = BatchLoop(self, seats or [self.seat], batch_costs)
+        for seat in seats or [Seat(runner, drafter)]:  # every seat's drafter, the same way
+            if seat.drafter is not None:
+                seat.drafter.settle_confidence(num_speculative_tokens == "auto")
         self.tree_mode = "off" if drafter is None else drafter.tree
         # tree="auto": which shape pays, learnt over this engine's requests (tree_choice.py)
         self.shapes = (
@@ -130,16 +114,15 @@ class Engine:
         device: str | None = None,
         draft_quantization: str | None = "auto",
         quantization: str = "auto",
+        max_num_seqs: int = 1,
         **drafter_options: object,
     ) -> Engine:
         """Load the models and build a ready engine (engine/builder.py). `drafter_options`
         go to the drafter's `from_models` (e.g. prompt_lookup_max for method="ngram").
-        `draft_quantization`: "auto" (int4, group 32, on a CPU; none on CUDA), None, or a
-        scheme of models/quant.py ("int8", "int4", "int4-g32", ...), for the draft model or
-        method="eagle"'s head. The drafter never decides a token, so quantizing it cannot
-        change the output, only the speed. `quantization`: "auto" (a GGUF model runs from its
-        file's own quantized blocks where the integer kernels run: a CPU), "gguf" (insist) or
-        "none" (dense weights in `dtype`)."""
+        `draft_quantization`: "auto" (int4-g32 on a CPU, none on CUDA), None or a scheme of
+        models/quant.py, for the draft model or eagle's head (it cannot change the output).
+        `quantization`: "auto" (a GGUF runs from its own blocks on a CPU), "gguf" or "none"
+        (dense, in `dtype`). `max_num_seqs`: sequences decoded together (engine/batch.py)."""
         from understudy.engine.builder import EngineSpec, assemble, load_models
 
         spec = EngineSpec(
@@ -149,6 +132,7 @@ class Engine:
             verify_rows=verify_rows,
             draft_quantization=draft_quantization,
             drafter_options=dict(drafter_options),
+            max_num_seqs=max_num_seqs,
         )
         models = load_models(target, draft, spec, dtype, device, quantization)
         return cls.from_parts(assemble(models, spec, draft))
@@ -156,16 +140,9 @@ class Engine:
     @classmethod
     def from_parts(cls, parts: EngineParts) -> Engine:
         """An engine from what engine/builder.py assembled."""
-        return cls(
-            parts.target,
-            parts.runner,
-            parts.drafter,
-            parts.method,
-            parts.num_speculative_tokens,
-            parts.max_context,
-            parts.exact,
-            parts.costs,
-        )
+        p = parts
+        return cls(p.target, p.runner, p.drafter, p.method, p.num_speculative_tokens,
+                   p.max_context, p.exact, p.costs, p.seats, p.batch_costs)  # fmt: skip
 
     def with_method(self, method: str) -> Engine:
         """The same target (shared weights and cache) with no drafter: the plain baseline."""
@@ -174,7 +151,9 @@ class Engine:
         runner = Runner(
             self.target.model, self.max_context, rows=self.runner.rows, pad=self.runner.pad
         )  # its own: the drafting engine's runner keeps hidden states, this one does not
-        return Engine(self.target, runner, None, "none", 0, self.max_context, self.exact)
+        seats = make_seats(runner, None, len(self.batch.seats))  # the same regions, in turn
+        return Engine(self.target, runner, None, "none", 0, self.max_context, self.exact,
+                      seats=seats)  # fmt: skip
 
     def encode(self, prompt: Prompt) -> list[int]:
         """A string, a list of token ids, or a chat message list -> prompt token ids."""
@@ -182,19 +161,45 @@ class Engine:
 
     # -- generation ------------------------------------------------------------------------
 
+    @overload
     def generate(
         self,
         prompt: Prompt,
         params: SamplingParams | None = None,
         on_token: Callable[[TokenEvent], None] | None = None,
-    ) -> GenerationOutput:
-        """Generate a completion; `on_token` (optional) sees every token as it is emitted."""
+    ) -> GenerationOutput: ...
+
+    @overload
+    def generate(
+        self,
+        prompt: list[Prompt],
+        params: SamplingParams | list[SamplingParams] | None = None,
+        on_token: None = None,
+    ) -> list[GenerationOutput]: ...
+
+    def generate(self, prompt, params=None, on_token=None):
+        """Generate a completion; `on_token` (optional) sees every token as it is emitted.
+        A list of prompts (with one SamplingParams for all, or one each) runs as a batch on
+        the engine's seats (max_num_seqs) and returns the outputs in order, each exactly
+        what its prompt gives alone."""
+        if is_batch(prompt):
+            if on_token is not None:
+                raise UnderstudyError("on_token streams one prompt; a batch returns outputs")
+            return self.generate_batch(prompt, params)
         stream = self.stream(prompt, params or SamplingParams())
         for event in stream:
             if on_token is not None:
                 on_token(event)
         assert stream.output is not None
         return stream.output
+
+    def generate_batch(
+        self,
+        prompts: list[Prompt],
+        params: SamplingParams | list[SamplingParams] | None = None,
+    ) -> list[GenerationOutput]:
+        """The outputs of `prompts` in order, run together on the engine's seats."""
+        return generate_batch(self.batch, [self.encode(p) for p in prompts], params)
 
     def stream(
         self,
@@ -216,7 +221,7 @@ class Engine:
     ) -> Iterator[TokenEvent | GenerationOutput]:
         recorder = StatsRecorder(self.method, self.k, self.exact)
         t0 = time.perf_counter()
-        request, first = self._prefill(prompt_ids, params)
+        request, first = self._prefill(prompt_ids, params, self.seat)
         recorder.prefill(time.perf_counter() - t0, len(prompt_ids))
         yield from request.emitter.emit([first[0]], "target", 0, first[1])
         planner = self._planner(request)
@@ -238,14 +243,14 @@ class Engine:
                 time.perf_counter() - t_verify,
             )
             yield from self._emit(request, verified, rounds, on_round)
-        if self.drafter is not None:
-            self.drafter.end(request.tokens)
+        if request.seat.drafter is not None:
+            request.seat.drafter.end(request.tokens)
         emitter = request.emitter
         stats = recorder.finish(len(emitter.token_ids), emitter.finish_reason)
         yield GenerationOutput(emitter.text, emitter.token_ids, stats, prompt_ids)
 
     def _prefill(
-        self, prompt_ids: list[int], params: SamplingParams
+        self, prompt_ids: list[int], params: SamplingParams, seat: Seat
     ) -> tuple[Request, tuple[int, list | None]]:
         """Score the prompt, choose the first token, start the drafter: the loop's invariant
         holds from here on."""
@@ -254,9 +259,10 @@ class Engine:
         processor = build_processor(
             params, self.tokenizer, self.runner.vocab_size, self.target.eos_token_ids
         )
-        request = Request(list(prompt_ids), params, make_generator(params.seed), emitter, processor)
+        generator = make_generator(params.seed)
+        request = Request(list(prompt_ids), params, generator, emitter, processor, seat)
         device = self.target.model.device
-        raw = self.runner.prefill(torch.tensor(prompt_ids, device=device), len(prompt_ids) + budget)
+        raw = seat.runner.prefill(torch.tensor(prompt_ids, device=device), len(prompt_ids) + budget)
         logits = raw[None].cpu()  # [1, V]
         if processor is not None:
             processor.begin(prompt_ids)
@@ -268,32 +274,35 @@ class Engine:
         request.tokens.append(first)
         if processor is not None:
             processor.commit(request.tokens)
-        if self.drafter is not None:
-            self.drafter.begin(prompt_ids)
-            if self.drafter.wants_hidden:  # the prompt's positions
-                self.drafter.observe_hidden(self.runner.last_hidden, 0)
-        logprobs = self._logprobs(request, raw[None].cpu(), [first])
+        if seat.drafter is not None:
+            seat.drafter.begin(prompt_ids)
+            if seat.drafter.wants_hidden:  # the prompt's positions
+                seat.drafter.observe_hidden(seat.runner.last_hidden, 0)
+        logprobs = token_logprobs(raw[None].cpu(), [first], params.logprobs)
         return request, (first, logprobs)
 
-    def _planner(self, request: Request) -> RoundPlanner:
+    def _planner(self, request: Request, trees: bool = True) -> RoundPlanner:
+        """The request's round planner; trees=False (a batch's rounds) plans chains only."""
         drafter = self.drafter
+        chains = request.processor is not None or not trees
         return RoundPlanner(
             self.k,
             self.runner.rows or 1,
-            "off" if request.processor is not None else self.tree_mode,
+            "off" if chains else self.tree_mode,
             self.costs,
             drafter is not None and drafter.plans_length,
             drafter is not None and drafter.stops_by_confidence,
-            None if request.processor is not None else self.shapes,
+            None if chains else self.shapes,
         )
 
     def _propose(self, request: Request, plan: Plan) -> Proposal:
-        if self.drafter is None or plan.k <= 0:
+        drafter = request.seat.drafter
+        if drafter is None or plan.k <= 0:
             return EMPTY
         args = (request.params, request.generator)
         if plan.tree:
-            return self.drafter.propose_tree(request.tokens, plan.k, plan.nodes, *args)
-        return self.drafter.propose(request.tokens, plan.k, *args)
+            return drafter.propose_tree(request.tokens, plan.k, plan.nodes, *args)
+        return drafter.propose(request.tokens, plan.k, *args)
 
     def _verify(self, request: Request, proposal: Proposal) -> Verified:
         if proposal.parents is not None:
@@ -302,10 +311,20 @@ class Engine:
 
     def _verify_chain(self, request: Request, proposal: Proposal) -> Verified:
         """One target pass over [tokens[-1], x_1..x_K]; keep the longest agreed prefix."""
-        tokens, params = request.tokens, request.params
+        raw = request.seat.runner.extend(self.chain_rows(request, proposal)).cpu()  # [K+1, V]
+        return self.judge_chain(request, proposal, raw)
+
+    def chain_rows(self, request: Request, proposal: Proposal) -> torch.Tensor:
+        """What a chain round feeds the target: [tokens[-1], x_1..x_K] ([K+1])."""
         drafted = proposal.draft_ids.tolist()
-        fed = torch.tensor([tokens[-1], *drafted], device=self.target.model.device)
-        raw = self.runner.extend(fed).cpu()  # [K+1, V]
+        return torch.tensor([request.tokens[-1], *drafted], device=self.target.model.device)
+
+    def judge_chain(self, request: Request, proposal: Proposal, raw: torch.Tensor) -> Verified:
+        """Verify a chain against the target's rows raw [K+1, V] of its pass; roll the cache
+        back to the tokens kept."""
+        tokens, params, runner = request.tokens, request.params, request.seat.runner
+        drafter = request.seat.drafter
+        drafted = proposal.draft_ids.tolist()
         logits = raw if request.processor is None else request.processor.process(raw, drafted)
         if params.greedy:
             verdict = verify_greedy(proposal.draft_ids, logits)
@@ -315,9 +334,9 @@ class Engine:
                 proposal.draft_ids, proposal.draft_probs, probs, request.generator
             )
         a = verdict.accepted
-        self.runner.truncate(len(tokens) + a)
-        if self.runner.keep_hidden and self.drafter is not None:  # tokens[-1], kept guesses
-            self.drafter.observe_hidden(self.runner.last_hidden[: a + 1], len(tokens) - 1)
+        runner.truncate(len(tokens) + a)
+        if runner.keep_hidden and drafter is not None:  # tokens[-1], kept guesses
+            drafter.observe_hidden(runner.last_hidden[: a + 1], len(tokens) - 1)
         bonus = a == proposal.size
         return Verified(
             proposal, drafted[:a], verdict.next_token, bonus, proposal.size, raw[: a + 1]
@@ -329,7 +348,8 @@ class Engine:
         tree = TokenTree.from_drafts(tokens[-1], proposal.draft_ids, proposal.parents)
         offsets = tree.slot_offsets()  # [N]
         device = self.target.model.device
-        raw = self.runner.tree_pass(
+        runner, drafter = request.seat.runner, request.seat.drafter
+        raw = runner.tree_pass(
             tree.tokens.to(device), tree.depths, offsets, tree.region_mask(offsets)
         ).cpu()  # [N, V]
         if params.greedy:
@@ -337,9 +357,9 @@ class Engine:
         else:
             verdict = verify_tree_sampling(tree, warp_probs(raw, params), request.generator)
         nodes = [0, *verdict.path]  # the root and the accepted nodes
-        self.runner.keep_path(offsets[nodes])
-        if self.runner.keep_hidden and self.drafter is not None:
-            self.drafter.observe_hidden(self.runner.last_hidden[nodes], len(tokens) - 1)
+        runner.keep_path(offsets[nodes])
+        if runner.keep_hidden and drafter is not None:
+            drafter.observe_hidden(runner.last_hidden[nodes], len(tokens) - 1)
         path = [node - 1 for node in verdict.path]  # indices into drafted
         drafted = proposal.draft_ids.tolist()
         kept = [drafted[i] for i in path]
@@ -369,16 +389,11 @@ class Engine:
                     round_index, drafted, len(kept), next_token, origin, parents, verified.path
                 )
             )
-        logprobs = self._logprobs(request, verified.raw_logits, [*kept, next_token])
+        logprobs = token_logprobs(verified.raw_logits, [*kept, next_token], request.params.logprobs)
         emitter = request.emitter
         yield from emitter.emit(kept, "accepted", round_index, logprobs and logprobs[:-1])
         yield from emitter.emit([next_token], origin, round_index, logprobs and logprobs[-1:])
         if request.processor is not None:
             request.processor.commit(request.tokens)
-        if self.drafter is not None and not emitter.done:
-            self.drafter.commit(request.tokens)
-
-    @staticmethod
-    def _logprobs(request: Request, raw: torch.Tensor, token_ids: list[int]) -> list | None:
-        top = request.params.logprobs
-        return None if top is None else token_logprobs(raw, token_ids, top)
+        if request.seat.drafter is not None and not emitter.done:
+            request.seat.drafter.commit(request.tokens)

@@ -54,3 +54,8 @@ def apply_chat_template(tokenizer: Any | None, messages: list[dict[str, str]]) -
     except TemplateError as error:  # many templates raise on a role order they refuse
         raise UnderstudyError(f"the model's chat template refused the messages: {error}") from None
     return list(out["input_ids"])
+
+
+def is_batch(prompt: object) -> bool:
+    """A list of prompts (strings, token-id lists or chats), not one prompt."""
+    return isinstance(prompt, list) and bool(prompt) and isinstance(prompt[0], str | list)

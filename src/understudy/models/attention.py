@@ -20,6 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from understudy.models.key_groups import KeyGroup
 from understudy.models.norms import make_norm
 from understudy.models.split_attention import SplitKeys, split_attention
 
@@ -115,12 +116,15 @@ class Attention(nn.Module):
         key_slots: torch.Tensor | None = None,  # [R, L]
         split: SplitKeys | None = None,
         regions: int | None = None,
+        groups: list[KeyGroup] | None = None,
     ) -> torch.Tensor:
         """Attention of rows x over the cache after writing their keys/values to `slots`:
         one call under `mask`; with `key_slots`, each row over its own gathered keys in a
         1-row call (at most rows_apart_upto rows); with `split` (padded decode passes),
         split_attention, exact for tree nodes; with `regions` (batch work), row r over its
-        own region of the cache, slots r * regions + j for j < L, under mask[r]."""
+        own region of the cache, slots r * regions + j for j < L, under mask[r]; with `groups`
+        (a batched pass of several sequences), each group's rows over its own region under
+        its own mask, as a pass of that sequence alone would score them (`mask` unused)."""
         cfg = self.cfg
         rows = x.shape[0]
         q, k, v = self.wqkv(x).split(self.split, dim=-1)
@@ -135,32 +139,56 @@ class Attention(nn.Module):
         if split is not None:
             out = split_attention(q, k_cache, v_cache, split, self.scale, self.softcap)
             return self.wo(out.reshape(rows, -1))  # out: [R, H, D]
-        length = mask.shape[-1]
         gqa = cfg.num_heads != cfg.num_kv_heads
         if regions is not None:  # rows as the batch, each over its own region: no gather
+            length = mask.shape[-1]
             keys = region_view(k_cache, rows, regions, length)  # [R, Hkv, L, D]
             values = region_view(v_cache, rows, regions, length)
             out = self.attend(q.transpose(0, 1)[:, :, None], keys, values, mask[:, None, None], gqa)
             return self.wo(out.reshape(rows, -1))  # out: [R, H, 1, D]
-        keys, values = k_cache[None, :, :length], v_cache[None, :, :length]  # [1, Hkv, L, D]
+        if groups is None:
+            out = self._attend(q, k_cache, v_cache, mask, key_slots, 0)  # [R, H, D]
+        else:  # each sequence's rows over its own region, exactly as in a pass of their own
+            out = torch.cat(
+                [
+                    self._attend(q[:, g.rows], k_cache, v_cache, g.mask, g.key_slots, g.base)
+                    for g in groups
+                ]
+            )  # [R, H, D]
+        return self.wo(out.reshape(rows, -1))
+
+    def _attend(
+        self,
+        q: torch.Tensor,  # [H, R, D]
+        k_cache: torch.Tensor,  # [Hkv, S, D]
+        v_cache: torch.Tensor,
+        mask: torch.Tensor,  # [R, L]: column j is slot base + j (or key_slots[:, j])
+        key_slots: torch.Tensor | None,  # [R, L] absolute slots
+        base: int,
+    ) -> torch.Tensor:
+        """Rows q over the keys at slots base..base+L-1 (or their own key_slots) -> [R, H, D].
+        Passes of at most rows_apart_upto rows score each row in its own 1-row call."""
+        cfg = self.cfg
+        rows, length = q.shape[1], mask.shape[-1]
+        gqa = cfg.num_heads != cfg.num_kv_heads
+        keys = k_cache[None, :, base : base + length]  # [1, Hkv, L, D]
+        values = v_cache[None, :, base : base + length]
         if key_slots is not None:  # each row its own keys, gathered in the order given
             assert rows <= self.rows_apart_upto, "key_slots needs per-row attention"
             keys = k_cache[:, key_slots].transpose(0, 1)  # [R, Hkv, L, D]
             values = v_cache[:, key_slots].transpose(0, 1)  # [R, Hkv, L, D]
-        if rows <= self.rows_apart_upto:  # each query row its own call, the shape of a 1-row pass
-            per_row = keys.shape[0] > 1
-            out = torch.cat(
-                [
-                    self.attend(
-                        q[None, :, r : r + 1],  # [1, H, 1, D]
-                        keys[r : r + 1] if per_row else keys,  # [1, Hkv, L, D]
-                        values[r : r + 1] if per_row else values,
-                        mask[r : r + 1],  # [1, L]
-                        gqa,
-                    )[0, :, 0]  # [H, D]
-                    for r in range(rows)
-                ]
-            ).view(rows, cfg.num_heads, cfg.head_dim)  # [R, H, D]
-        else:
-            out = self.attend(q[None], keys, values, mask, gqa)[0].transpose(0, 1)  # [R, H, D]
-        return self.wo(out.reshape(rows, -1))
+        if rows > self.rows_apart_upto:
+            return self.attend(q[None], keys, values, mask, gqa)[0].transpose(0, 1)  # [R, H, D]
+        per_row = keys.shape[0] > 1  # each query row its own call, the shape of a 1-row pass
+        return torch.cat(
+            [
+                self.attend(
+                    q[None, :, r : r + 1],  # [1, H, 1, D]
+                    keys[r : r + 1] if per_row else keys,  # [1, Hkv, L, D]
+                    values[r : r + 1] if per_row else values,
+                    mask[r : r + 1],  # [1, L]
+                    gqa,
+                )[0, :, 0]  # [H, D]
+                for r in range(rows)
+            ]
+        ).view(rows, cfg.num_heads, cfg.head_dim)  # [R, H, D]

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import torch
 
+from understudy.models.key_groups import KeyGroup
 from understudy.models.split_attention import SplitKeys, split_keys
 from understudy.models.transformer import Transformer
 
@@ -42,7 +43,12 @@ def path_slots(slots: torch.Tensor, visible: torch.Tensor, base: int) -> torch.T
 
 class Runner:
     def __init__(
-        self, model: Transformer, max_context: int, rows: int | None = None, pad: bool = True
+        self,
+        model: Transformer,
+        max_context: int,
+        rows: int | None = None,
+        pad: bool = True,
+        first_slot: int = 0,
     ) -> None:
         self.model = model
         self.rows = rows
@@ -51,14 +57,19 @@ class Runner:
         self.pad = pad
         self.max_context = max_context
         self.length = 0
-        self.slots = max_context + max(rows or 0, PREFILL_CHUNK)
+        self.slots = max_context + max(rows or 0, PREFILL_CHUNK)  # this runner's region
+        # the region's first cache slot: chain position j lives in slot first_slot + j. One
+        # model, many runners (engine/batch.py): each sequence of a batch has its own region
+        assert first_slot == 0 or rows is None or not pad, "padded passes read keys from slot 0"
+        self.first_slot = first_slot
         self.window: int | None = None  # fixed key window for this request (None: grows)
         # keep_hidden: remember the final hidden states of the real rows of the latest pass
         # (the whole prompt after `prefill`; a tree pass's nodes in tree order) in
         # `last_hidden` [n, hidden], for method="eagle"
         self.keep_hidden = False
         self.last_hidden: torch.Tensor | None = None
-        model.allocate_cache(self.slots)
+        if model.cache_slots < first_slot + self.slots:
+            model.allocate_cache(first_slot + self.slots)
 
     @property
     def vocab_size(self) -> int:
@@ -68,6 +79,15 @@ class Runner:
         """Forget every token from `length` on."""
         assert 0 <= length <= self.length, (length, self.length)
         self.length = length
+
+    def chain_rows(self, n: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Where the next n tokens go, as an unpadded pass scores them: positions [n], slots
+        [n] and mask [n, L] over this runner's region (L fixed by the request's window)."""
+        start, device = self.length, self.model.device
+        positions = torch.arange(start, start + n, device=device)  # [n]
+        keys = max(self.window or 0, start + n)
+        mask = torch.arange(keys, device=device)[None, :] <= positions[:, None]  # [n, L]
+        return positions, self.first_slot + positions, mask
 
     def _pass(
         self, tokens: torch.Tensor, rows: int, logit_rows: slice, decode: bool = False
@@ -81,7 +101,8 @@ class Runner:
         keys = max(self.window or 0, start + rows)
         mask = torch.arange(keys, device=device)[None, :] <= positions[:, None]  # [rows, L]
         split = split_keys(positions, keys) if decode and self.pad else None
-        logits = self._score(n, padded, positions, positions, mask, logit_rows, split=split)
+        slots = self.first_slot + positions
+        logits = self._score(n, padded, positions, slots, mask, logit_rows, split=split)
         self.length = start + n
         return logits
 
@@ -97,11 +118,20 @@ class Runner:
         split: SplitKeys | None = None,
     ) -> torch.Tensor:
         """Transformer.forward; with keep_hidden, the final hidden states of the first `n`
-        (real) rows are kept in `last_hidden` [n, hidden] (the same operations)."""
-        if not self.keep_hidden:
+        (real) rows are kept in `last_hidden` [n, hidden] (the same operations). A runner
+        whose region starts past slot 0 attends through one KeyGroup (models/key_groups.py):
+        the same keys in the same order, from its own region."""
+        if not self.keep_hidden and not self.first_slot:
             return self.model(tokens, positions, slots, mask, logit_rows, key_slots, split)
-        hidden = self.model.hidden_states(tokens, positions, slots, mask, key_slots, split)
-        self.last_hidden = hidden[:n]
+        groups = None
+        if self.first_slot:
+            groups = [KeyGroup(slice(0, tokens.shape[0]), self.first_slot, mask, key_slots)]
+            key_slots = None
+        hidden = self.model.hidden_states(
+            tokens, positions, slots, mask, key_slots, split, groups=groups
+        )
+        if self.keep_hidden:
+            self.last_hidden = hidden[:n]
         rows = hidden if logit_rows is None else hidden[logit_rows]
         return self.model.logits(rows)  # [R, V] float32 (final soft cap included)
 
@@ -135,7 +165,7 @@ class Runner:
         padded = torch.zeros(rows, dtype=torch.long, device=device)  # [rows], filler = id 0
         padded[:n] = tokens
         filler = torch.arange(base + span, base + span + rows - n, device=device)  # [rows-n]
-        slots = torch.cat([base + offsets.to(device), filler])  # [rows]
+        slots = self.first_slot + torch.cat([base + offsets.to(device), filler])  # [rows]
         positions = torch.cat([base + depths.to(device), filler])  # [rows]
         keys = max(self.window or 0, base + span + rows - n)
         assert keys <= self.slots, (keys, self.slots)
@@ -169,9 +199,10 @@ class Runner:
         key_slots = torch.zeros(n, keys, dtype=torch.long, device=device)  # [n, keys]
         key_slots[:, :base] = torch.arange(base, device=device)
         path_slots(key_slots, visible, base)
+        key_slots += self.first_slot  # chain positions -> this runner's slots
         depths = depths.to(device)
         mask = torch.arange(keys, device=device)[None, :] <= (base + depths)[:, None]  # [n, keys]
-        slots, positions = base + offsets.to(device), base + depths
+        slots, positions = self.first_slot + base + offsets.to(device), base + depths
         return self._score(n, tokens.to(device), positions, slots, mask, None, key_slots)
 
     @torch.inference_mode()
@@ -184,7 +215,8 @@ class Runner:
         assert offsets.ndim == 1 and offsets.shape[0] >= 1
         m = offsets.shape[0]
         if not torch.equal(offsets.cpu(), torch.arange(m)):  # else already in place
-            self.model.keep_slots(base + offsets.to(self.model.device), base)
+            start = self.first_slot + base
+            self.model.keep_slots(start + offsets.to(self.model.device), start)
         self.length = base + m
 
     @torch.inference_mode()

@@ -41,6 +41,7 @@ import torch
 from torch import nn
 
 from understudy.models.attention import Attention, region_view, rotate_half
+from understudy.models.key_groups import KeyGroup, groups_within_window
 from understudy.models.moe import MLP, SparseMoE
 from understudy.models.norms import RMSNorm, make_norm
 from understudy.models.rope import RopeScaling, Rotary, exact_positions
@@ -213,25 +214,34 @@ class Transformer(nn.Module):
         key_slots: torch.Tensor | None = None,  # [R, L]
         split: SplitKeys | None = None,
         regions: int | None = None,
+        groups: list[KeyGroup] | None = None,
     ) -> torch.Tensor:
         """Run the layers; write the rows' keys/values into `slots`. Returns [R, hidden].
         `regions` (batch work, head/self_text.py): row r attends to its own region of the
-        cache only, slots r * regions .. r * regions + L - 1 under mask [R, L]."""
+        cache only, slots r * regions .. r * regions + L - 1 under mask [R, L]. `groups` (a
+        pass shared by several sequences, models/key_groups.py): each group's rows attend
+        to their own region under their own mask; `mask` is then unused."""
         x = self.embed_tokens(tokens)
         ropes = [rotary(positions, self.dtype) for rotary in self.rotaries]
-        views = [(mask, split)]  # [full attention, sliding window]
+        views = [(mask, split, groups)]  # [full attention, sliding window]
         if self.windowed:
             window = self.cfg.sliding_window
             assert window is not None
             columns = torch.arange(mask.shape[-1], device=mask.device)[None]  # [1, L]
             near = mask & (columns > (positions - window)[:, None])  # [R, L]
-            views.append((near, None if split is None else within_window(split, window)))
+            views.append(
+                (
+                    near,
+                    None if split is None else within_window(split, window),
+                    None if groups is None else groups_within_window(groups, positions, window),
+                )
+            )
         for layer, k_cache, v_cache in zip(self.layers, self.k_cache, self.v_cache, strict=True):
             cos, sin = ropes[layer.rope]
-            layer_mask, layer_split = views[layer.sliding]
+            layer_mask, layer_split, layer_groups = views[layer.sliding]
             attn = layer.attn(
                 layer.attn_norm(x), cos, sin, slots, layer_mask, k_cache, v_cache, key_slots,
-                layer_split, regions,
+                layer_split, regions, layer_groups,
             )  # fmt: skip
             x = x + layer.post_attn_norm(attn)
             x = x + layer.post_mlp_norm(layer.mlp(layer.mlp_norm(x)))

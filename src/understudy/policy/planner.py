@@ -64,6 +64,13 @@ class RoundPlanner:
                 k = self.k_max
         return Plan(min(k, remaining - 1), tree, self.k_max)
 
+    def expected_tokens(self, k: int) -> float:
+        """Modelled tokens a chain round of k guesses yields (automatic K's estimates; with
+        K fixed, the prior's)."""
+        if self.adaptive is None:
+            return AdaptiveK(max(self.k_max, 1), 0.0).expected_tokens(k)
+        return self.adaptive.expected_tokens(k)
+
     def observe(self, tree: bool, drafted: int, accepted: int, depth: int) -> None:
         """A verified round: a tree or a chain of `drafted` guesses (nodes), `accepted` of
         them kept, `depth` its depth (a chain's is its length)."""

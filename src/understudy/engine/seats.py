@@ -1,0 +1,56 @@
+"""The seats of a batched engine: one region of each model's KV cache per sequence.
+
+Seat 0 is the engine's own runner and drafter (region 0); seat i's runner starts at slot
+i * region of the same target model, and its drafter is `drafter.for_seat(i)` (a draft
+model's runner likewise in region i of the draft's cache). All regions are allocated here,
+at build, so admitting and retiring sequences never allocates.
+"""
+
+from __future__ import annotations
+
+from understudy.config import UnderstudyError
+from understudy.drafters.base import Drafter
+from understudy.engine.request import Seat
+from understudy.models.runner import Runner
+from understudy.models.shared_pass import shares_passes
+from understudy.models.transformer import Transformer
+
+
+def make_seats(runner: Runner, drafter: Drafter | None, count: int) -> list[Seat]:
+    """`count` seats over the target of `runner` (seat 0 is `runner` and `drafter`)."""
+    if isinstance(count, bool) or not isinstance(count, int) or count < 1:
+        raise UnderstudyError(f"max_num_seqs must be an integer >= 1, got {count!r}")
+    seats = [Seat(runner, drafter)]
+    if count == 1:
+        return seats
+    if not shares_passes(runner):
+        raise UnderstudyError(
+            "max_num_seqs > 1 needs the target's row-invariant kernels (float32 or a GGUF "
+            "model's own blocks on a CPU): this target pads every pass to a fixed row budget, "
+            "which cannot hold other sequences' rows"
+        )
+    for index in range(1, count):
+        seat_runner = Runner(
+            runner.model, runner.max_context, runner.rows, runner.pad, index * runner.slots
+        )
+        seat_runner.keep_hidden = runner.keep_hidden
+        seats.append(Seat(seat_runner, None if drafter is None else drafter.for_seat(index)))
+    return seats
+
+
+def kv_bytes(model: Transformer, slots: int) -> int:
+    """Bytes of keys and values `slots` slots of `model`'s cache hold (every layer)."""
+    cfg = model.cfg
+    element = model.k_cache[0].element_size() if model.k_cache else 4
+    return 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * element * slots
+
+
+def kv_bytes_per_seat(seats: list[Seat]) -> int:
+    """What one sequence's seat holds in KV memory: the target's region, plus the draft
+    model's where the drafter has one."""
+    seat = seats[0]
+    total = kv_bytes(seat.runner.model, seat.runner.slots)
+    draft = None if seat.drafter is None else seat.drafter.draft_runner()
+    if draft is not None:
+        total += kv_bytes(draft.model, draft.slots)
+    return total

@@ -1,0 +1,155 @@
+"""How long each sequence's chain is in a round of a batch: speculation that keeps paying.
+
+Alone, a round of K guesses costs a draft step per guess and a target pass of K + 1 rows,
+and a pass of a few rows costs about what a pass of one does (it is memory-bound). In a
+batch every sequence's rows share ONE target pass, and a pass of many rows is compute-bound:
+its cost grows with its rows. So the lengths that pay alone stop paying as the batch grows.
+
+Each round, every sequence's own planner says how far it would draft alone (`want`), and
+one cap c for the whole batch is chosen to maximise the modelled throughput
+
+    tokens(c) / (T(rows(c)) + draft(c)),   rows(c) = sum over sequences of min(want, c) + 1
+
+where a sequence's expected tokens for k guesses come from its own acceptance estimates
+(policy/adaptive_k.py), T is the target pass's measured cost by rows and draft(c) the draft
+passes (one per guess depth, all sequences still drafting sharing it). c = 0 is plain
+batched decoding, chosen when no speculation pays. The plan never changes which tokens are
+emitted (verification decides that), only how many rounds they take.
+
+A sampled sequence keeps its own planner's length (it is not capped), and steps its draft in
+passes of its own: its random draws then happen exactly as in its solo run, so a seeded
+request gives the same text batched as alone.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from understudy.models.runner import Runner
+from understudy.models.shared_pass import extend_together
+from understudy.policy.costs import CONTEXT, MEASURE_SPAN
+
+
+@dataclass(frozen=True)
+class Curve:
+    """Seconds of one pass by its rows, measured at `points` rows, linear in between and
+    beyond the last two points."""
+
+    points: tuple[int, ...]
+    seconds: tuple[float, ...]
+
+    def __call__(self, rows: int) -> float:
+        if rows <= 0:
+            return 0.0
+        xs, ys = self.points, self.seconds
+        if len(xs) == 1:
+            return ys[0] * rows / xs[0]
+        for i in range(1, len(xs)):
+            if rows <= xs[i] or i == len(xs) - 1:
+                slope = (ys[i] - ys[i - 1]) / (xs[i] - xs[i - 1])
+                return max(ys[i - 1] + slope * (rows - xs[i - 1]), 0.0)
+        raise AssertionError("unreachable")
+
+
+@dataclass(frozen=True)
+class BatchCosts:
+    target: Curve  # one target pass, by its rows (all sequences together)
+    draft: Curve | None  # one draft step, by the sequences sharing it (None: a free drafter)
+
+    def draft_seconds(self, lengths: list[int]) -> float:
+        """Draft passes for chains of these lengths, one pass per depth shared by all the
+        chains that reach it."""
+        if self.draft is None or not lengths:
+            return 0.0
+        return sum(
+            self.draft(sum(1 for k in lengths if k >= depth))
+            for depth in range(1, max(lengths) + 1)
+        )
+
+
+@dataclass(frozen=True)
+class Wish:
+    """One sequence's view of the round: its own planner's length, whether it is capped
+    (greedy sequences are), and its expected tokens for k guesses."""
+
+    want: int
+    capped: bool
+    expected_tokens: Callable[[int], float]
+
+
+def choose_cap(wishes: list[Wish], costs: BatchCosts) -> int:
+    """The cap c on capped sequences' lengths maximising modelled tokens per second."""
+    top = max((w.want for w in wishes if w.capped), default=0)
+    best_cap, best_rate = 0, -1.0
+    for cap in range(top + 1):
+        lengths = [min(w.want, cap) if w.capped else w.want for w in wishes]
+        tokens = sum(w.expected_tokens(k) for w, k in zip(wishes, lengths, strict=True))
+        shared = [k for w, k in zip(wishes, lengths, strict=True) if w.capped]
+        alone = sum(k for w, k in zip(wishes, lengths, strict=True) if not w.capped)
+        seconds = costs.target(sum(lengths) + len(lengths)) + costs.draft_seconds(shared)
+        seconds += 0.0 if costs.draft is None else alone * costs.draft(1)
+        rate = tokens / max(seconds, 1e-9)
+        if rate > best_rate * (1 + 1e-6):
+            best_cap, best_rate = cap, rate
+    return best_cap
+
+
+def best_of(repeats: int, run: Callable[[], None]) -> float:
+    run()  # warm-up
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        run()
+        times.append(time.perf_counter() - t0)
+    return min(times)
+
+
+def pass_curve(
+    runners: list[Runner], points: list[int], repeats: int, each: int | None = None
+) -> Curve:
+    """A pass of r rows for each r in `points`, spread over the runners (each holding at
+    most `each` rows, default its row budget), after a CONTEXT-token prefix in each."""
+    device = runners[0].model.device
+    context = torch.arange(1, CONTEXT + 1, device=device)
+    for runner in runners:
+        runner.prefill(context, span=MEASURE_SPAN)
+    seconds = []
+    for rows in points:
+        budget = each or runners[0].rows or rows
+        sizes = [min(budget, rows - i * budget) for i in range(-(-rows // budget))]
+        assert len(sizes) <= len(runners), (rows, len(runners))
+        parts = runners[: len(sizes)]
+        fed = [torch.arange(40, 40 + n, device=device) for n in sizes]
+
+        def run(parts: list[Runner] = parts, fed: list[torch.Tensor] = fed) -> None:
+            extend_together(parts, fed)
+            for runner in parts:
+                runner.truncate(CONTEXT)
+
+        seconds.append(best_of(repeats, run))
+    for runner in runners:
+        runner.truncate(0)
+    return Curve(tuple(points), tuple(seconds))
+
+
+def row_points(most: int) -> list[int]:
+    """1, 2, 4, ... up to `most` (included)."""
+    points, rows = [], 1
+    while rows < most:
+        points.append(rows)
+        rows *= 2
+    return [*points, most]
+
+
+def measure_batch_costs(
+    targets: list[Runner], drafts: list[Runner] | None, most_rows: int, repeats: int = 2
+) -> BatchCosts:
+    """The target's pass curve up to `most_rows` rows and the draft's step curve up to one row
+    per seat, measured once when a batched engine is built."""
+    target = pass_curve(targets, row_points(most_rows), repeats)
+    draft = None if not drafts else pass_curve(drafts, row_points(len(drafts)), repeats, each=1)
+    return BatchCosts(target, draft)
