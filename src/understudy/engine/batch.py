@@ -113,9 +113,11 @@ class BatchLoop:
         return sequence
 
     def step(self) -> None:
-        """Admit what fits, run one round of every running sequence, retire the finished."""
-        self._admit()
+        """Retire the cancelled, admit what fits, run one round of every running sequence,
+        retire the finished."""
         self._retire()
+        self._admit()
+        self._retire()  # a sequence may end at its first token
         if self.running:
             self._round()
             self._retire()
