@@ -10,9 +10,9 @@ from __future__ import annotations
 
 import pytest
 import torch
+
 from stats_helpers import ALPHA, chisquare_pvalue, resample_from_p_verify
 from test_exactness import exact_joint
-
 from understudy import Engine, SamplingParams
 from understudy.config import UnderstudyError
 from understudy.engine.seats import kv_bytes_per_seat, make_seats
