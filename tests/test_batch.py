@@ -15,6 +15,7 @@ from stats_helpers import ALPHA, chisquare_pvalue, resample_from_p_verify
 from test_exactness import exact_joint
 from understudy import Engine, SamplingParams
 from understudy.config import UnderstudyError
+from understudy.engine.outputs import GenerationOutput
 from understudy.engine.seats import kv_bytes_per_seat, make_seats
 from understudy.models.runner import Runner
 from understudy.models.shared_pass import extend_together
@@ -248,3 +249,25 @@ def test_bad_batches_are_refused_before_anything_runs(tiny_pair):
     with pytest.raises(UnderstudyError, match="does not run in a batch"):
         Engine.from_pretrained(target, method="suffix", dtype="float32", max_num_seqs=2)
     assert not engine.batch.busy
+
+
+def test_streaming_per_sequence_gives_each_its_own_tokens(tiny_pair):
+    target, draft = tiny_pair
+    engine = Engine.from_pretrained(target, draft, dtype="float32", max_num_seqs=2)
+    params = SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True)
+    prompts = PROMPTS[:3]
+    streamed: dict[int, list[int]] = {i: [] for i in range(3)}
+    outputs = {}
+    for i, event in engine.stream_batch(prompts, params):
+        if isinstance(event, GenerationOutput):
+            outputs[i] = event
+        else:
+            streamed[i].append(event.token_id)
+    solo = [engine.generate(p, params).token_ids for p in prompts]
+    assert [streamed[i] for i in range(3)] == solo
+    assert [outputs[i].token_ids for i in range(3)] == solo
+    # a consumer that stops early cancels the rest and frees every seat
+    stream = engine.stream_batch(prompts, params)
+    next(stream)
+    stream.close()
+    assert not engine.batch.busy and len(engine.batch.free) == 2

@@ -28,7 +28,7 @@ from __future__ import annotations
 import threading
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -256,13 +256,44 @@ class BatchLoop:
         return self.drafter_class.propose_batch(chains)
 
 
-def generate_batch(
+def stream_batch(
     loop: BatchLoop,
     prompts: list[list[int]],
     params: SamplingParams | list[SamplingParams] | None,
-) -> list[GenerationOutput]:
-    """Run every prompt (token ids) through the loop to its end, on this thread; the outputs
-    in order. `params`: one SamplingParams for all, or one each."""
+) -> Iterator[tuple[int, TokenEvent | GenerationOutput]]:
+    """Run every prompt (token ids) through the loop on this thread, yielding (i, event) for
+    prompt i as its tokens are emitted, and (i, its GenerationOutput) when it ends."""
+    each = params_each(prompts, params)
+    events: list[tuple[int, TokenEvent | GenerationOutput]] = []
+    sequences = []
+    for i, (prompt, p) in enumerate(zip(prompts, each, strict=True)):
+        sequences.append(
+            loop.submit(
+                prompt,
+                p,
+                on_token=lambda event, i=i: events.append((i, event)),
+                on_done=lambda output, i=i: events.append((i, output)),
+            )
+        )
+    try:
+        while loop.busy:
+            loop.step()
+            yield from events
+            events.clear()
+        for sequence in sequences:
+            if sequence.error is not None:
+                raise sequence.error
+    finally:  # a consumer that stops early cancels what is left
+        for sequence in sequences:
+            sequence.cancel()
+        while loop.busy:
+            loop.step()
+
+
+def params_each(
+    prompts: list[list[int]], params: SamplingParams | list[SamplingParams] | None
+) -> list[SamplingParams]:
+    """One SamplingParams per prompt: the one given for all, or the list (its length checked)."""
     if not prompts:
         raise UnderstudyError("a batch needs at least one prompt")
     each = params if isinstance(params, list) else [params or SamplingParams()] * len(prompts)
@@ -270,6 +301,17 @@ def generate_batch(
         raise UnderstudyError(
             f"{len(prompts)} prompts but {len(each)} SamplingParams: give one, or one each"
         )
+    return each
+
+
+def generate_batch(
+    loop: BatchLoop,
+    prompts: list[list[int]],
+    params: SamplingParams | list[SamplingParams] | None,
+) -> list[GenerationOutput]:
+    """Run every prompt (token ids) through the loop to its end, on this thread; the outputs
+    in order. `params`: one SamplingParams for all, or one each."""
+    each = params_each(prompts, params)
     sequences = [loop.submit(p, q) for p, q in zip(prompts, each, strict=True)]
     loop.run_until_done()
     outputs = []

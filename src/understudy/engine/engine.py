@@ -28,7 +28,7 @@ import torch
 from understudy.config import SamplingParams, UnderstudyError, parse_num_speculative_tokens
 from understudy.constraints.base import build_processor
 from understudy.drafters.base import EMPTY, Drafter, Proposal
-from understudy.engine.batch import BatchLoop, generate_batch
+from understudy.engine.batch import BatchLoop, generate_batch, stream_batch
 from understudy.engine.emitter import Emitter, TokenEvent, token_logprobs
 from understudy.engine.outputs import GenerationOutput, RoundEvent, TokenStream
 from understudy.engine.prompts import Prompt, encode_prompt, is_batch
@@ -185,7 +185,7 @@ class Engine:
         if is_batch(prompt):
             if on_token is not None:
                 raise UnderstudyError("on_token streams one prompt; a batch returns outputs")
-            return self.generate_batch(prompt, params)
+            return generate_batch(self.batch, [self.encode(p) for p in prompt], params)
         stream = self.stream(prompt, params or SamplingParams())
         for event in stream:
             if on_token is not None:
@@ -193,13 +193,13 @@ class Engine:
         assert stream.output is not None
         return stream.output
 
-    def generate_batch(
+    def stream_batch(
         self,
         prompts: list[Prompt],
         params: SamplingParams | list[SamplingParams] | None = None,
-    ) -> list[GenerationOutput]:
-        """The outputs of `prompts` in order, run together on the engine's seats."""
-        return generate_batch(self.batch, [self.encode(p) for p in prompts], params)
+    ) -> Iterator[tuple[int, TokenEvent | GenerationOutput]]:
+        """(i, TokenEvent) for prompt i as its tokens come, then (i, its GenerationOutput)."""
+        return stream_batch(self.batch, [self.encode(p) for p in prompts], params)
 
     def stream(
         self,
