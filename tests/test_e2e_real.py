@@ -55,3 +55,14 @@ def test_default_pair_text_and_eos(pair):
     )
     assert "OK" in out.text
     assert out.stats.finish_reason == "stop"  # ended by <|im_end|>, inside max_tokens
+
+
+def test_default_pair_batched_answers_are_plain_answers(pair):
+    """Three prompts sharing every pass on three seats: each answer is plain decoding's."""
+    _, plain = pair
+    batched = Engine.from_pretrained(max_num_seqs=3, max_context=1024)
+    params = SamplingParams(max_tokens=24, temperature=0.0)
+    together = batched.generate(PROMPTS, params)
+    for prompt, out in zip(PROMPTS, together, strict=True):
+        assert out.token_ids == plain.generate(prompt, params).token_ids
+    assert batched.batch.rows_last_pass >= 1 and not batched.batch.busy
