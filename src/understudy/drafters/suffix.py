@@ -29,6 +29,7 @@ exactly as the target's); greedy output never changes. Set the cache off
 
 from __future__ import annotations
 
+import copy
 from collections import deque
 
 import torch
@@ -213,6 +214,7 @@ class SuffixCache:
         self.outputs: deque[list[int]] = deque()
         self.tokens = 0
         self.trie = SuffixTrie(max_depth)
+        self.version = 0  # changes with the trie: cursors into it from before are stale
 
     @property
     def enabled(self) -> bool:
@@ -232,6 +234,7 @@ class SuffixCache:
         self.outputs.append(output)
         self.tokens += len(output)
         self.trie.insert(output)
+        self.version += 1
 
 
 @register("suffix")
@@ -287,6 +290,7 @@ class SuffixProposer(Drafter):
         self.global_cursor: list[int] = []
         self.seq: list[int] = []  # this request's text so far (our own copy)
         self.prompt_len = 0
+        self.cursor_version = 0
 
     def begin(self, prompt_ids: list[int]) -> None:
         self.cache.add(self.seq[self.prompt_len :])  # the previous request's output
@@ -295,6 +299,15 @@ class SuffixProposer(Drafter):
         self.local = SuffixTrie(self.depth)
         self.local_cursor = self.local.insert(self.seq)
         self.global_cursor = self.cache.trie.cursor_for(self.seq)
+        self.cursor_version = self.cache.version
+
+    def for_seat(self, index: int) -> SuffixProposer:
+        """A seat of its own with the same options, sharing the cross-request cache (another
+        seat's request may change it mid-request: `_sync` then finds its cursor again)."""
+        seat = copy.copy(self)
+        seat.local = SuffixTrie(self.depth)
+        seat.local_cursor, seat.global_cursor, seat.seq, seat.prompt_len = [], [], [], 0
+        return seat
 
     def _sync(self, tokens: list[int]) -> None:
         n = len(self.seq)
@@ -302,6 +315,9 @@ class SuffixProposer(Drafter):
             self.begin(tokens)  # not a continuation of what we saw: start over
             return
         local, cache = self.local, self.cache.trie
+        if self.cursor_version != self.cache.version:  # the shared cache changed under us
+            self.global_cursor = cache.cursor_for(self.seq)
+            self.cursor_version = self.cache.version
         for token in tokens[n:]:
             self.seq.append(token)
             self.local_cursor = local.insert_step(self.local_cursor, token)
