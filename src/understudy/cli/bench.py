@@ -5,6 +5,7 @@
     understudy bench --compare hf,llama.cpp            # + llama.cpp's programs (built by you)
     understudy bench --prompts my.jsonl --methods none,draft,draft:k=2 --repeats 3
     understudy bench --per-category 0                  # every shipped prompt
+    understudy bench --concurrency 1,2,4,8,16          # serving: the HTTP server under load
 
 Writes OUT/results.json (rewritten after every run), OUT/results.md and OUT/*.png.
 Ctrl-C stops early and keeps what has been measured.
@@ -75,6 +76,19 @@ def bench(
     max_context: Annotated[int, typer.Option(help="Prompt + generation, in tokens.")] = 4096,
     seed: Annotated[int, typer.Option(help="Sampling seed (temperature > 0).")] = 0,
     progress: Annotated[bool, typer.Option(help="Show progress bars.")] = True,
+    concurrency: Annotated[
+        str | None,
+        typer.Option(
+            help="Serving mode: drive the real HTTP server (`understudy serve`, one per "
+            "method) with this many concurrent clients, e.g. 1,2,4,8,16; reports aggregate "
+            "tokens/s, latency and time to first token p50/p95, identity across levels, "
+            "and throughput.png."
+        ),
+    ] = None,
+    requests: Annotated[
+        int | None,
+        typer.Option(help="Serving mode: requests at each concurrency (default: the largest)."),
+    ] = None,
     resume: Annotated[
         bool,
         typer.Option(
@@ -91,6 +105,19 @@ def bench(
     from understudy.config import UnderstudyError
 
     specs = [s.strip() for item in prompts or [] for s in item.split(",") if s.strip()]
+    err = Console(stderr=True, highlight=False)
+    if concurrency is not None:
+        refused = [flag for flag, used in (("--compare", compare), ("--resume", resume),
+                                           ("--repeats", repeats != 1)) if used]  # fmt: skip
+        if refused:
+            err.print(f"[red]error:[/red] serving mode (--concurrency) does not take {refused[0]}")
+            raise typer.Exit(2)
+        serving(err, specs or None, methods, k, max_tokens, temperature, per_category, out,
+                target, draft, dtype, max_context, seed, concurrency, requests)  # fmt: skip
+        return
+    elif requests is not None:
+        err.print("[red]error:[/red] --requests belongs to serving mode: give --concurrency")
+        raise typer.Exit(2)
     config = BenchConfig(
         prompts=specs or None,
         methods=methods,
@@ -109,7 +136,6 @@ def bench(
         resume=resume,
         llama_cpp_bin=llama_cpp_bin,
     )
-    err = Console(stderr=True, highlight=False)
     runner = Bench(config, err, progress=progress)
     try:
         runner.run()
@@ -132,6 +158,38 @@ def bench(
     )
     if results["interrupted"]:
         raise typer.Exit(INTERRUPTED_EXIT_CODE)
+
+
+def serving(err, prompts, methods, k, max_tokens, temperature, per_category, out, target,
+            draft, dtype, max_context, seed, concurrency, requests) -> None:  # fmt: skip
+    """`understudy bench --concurrency ...`: the serving benchmark (bench/serving.py)."""
+    from rich.console import Console
+
+    from understudy.bench import serving_report
+    from understudy.bench.serving import ServingConfig, parse_concurrency, run_serving
+    from understudy.config import UnderstudyError
+
+    try:
+        levels = parse_concurrency(concurrency)
+        config = ServingConfig(
+            concurrency=levels,
+            methods=[m.strip() for m in methods.split(",") if m.strip()],
+            requests=requests or max(levels),
+            max_tokens=max_tokens, temperature=temperature, seed=seed, k=k,
+            prompts=prompts, per_category=per_category, target=target, draft=draft,
+            dtype=dtype, max_context=max_context, out=out,
+        )  # fmt: skip
+        results = run_serving(config, lambda line: err.print(f"[dim]{line}[/dim]"))
+    except UnderstudyError as error:
+        err.print(f"[red]error:[/red] {error}")
+        raise typer.Exit(2) from None
+    except KeyboardInterrupt:
+        err.print(f"[yellow]interrupted[/yellow]: what was measured is in {out / 'serving.json'}")
+        raise typer.Exit(INTERRUPTED_EXIT_CODE) from None
+    (out / "serving.md").write_text(serving_report.markdown(results))
+    picture = serving_report.plot(results, out)
+    Console(highlight=False, width=160).print(serving_report.rich_table(results))
+    err.print(f"[dim]wrote {out / 'serving.json'}, {out / 'serving.md'}, {picture}[/dim]")
 
 
 def main() -> None:

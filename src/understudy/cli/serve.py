@@ -48,8 +48,17 @@ def serve(
     public_metrics: Annotated[
         bool, typer.Option(help="Serve /metrics without the API key.")
     ] = False,
+    max_num_seqs: Annotated[
+        str,
+        typer.Option(
+            help="Sequences decoded together (a request's n choices count n): an integer, or "
+            "auto (8 where the target's passes can hold several sequences' rows: float32 or "
+            "a GGUF model's own blocks on a CPU; else 1)."
+        ),
+    ] = "auto",
     max_queue: Annotated[
-        int, typer.Option(help="Requests that may wait while one runs; more get HTTP 429.")
+        int,
+        typer.Option(help="Sequences that may wait while the seats are full; more get HTTP 429."),
     ] = 64,
     served_model_name: Annotated[
         str | None, typer.Option(help="The model id clients send (default: the target's name).")
@@ -116,6 +125,11 @@ def serve(
         fail(f"--port must be in 1..65535, got {port}")
     if max_queue < 0:
         fail(f"--max-queue must be >= 0, got {max_queue}")
+    seqs: int | str = max_num_seqs
+    if max_num_seqs != "auto":
+        if not max_num_seqs.isdecimal() or int(max_num_seqs) < 1:
+            fail(f"--max-num-seqs must be an integer >= 1 or auto, got {max_num_seqs!r}")
+        seqs = int(max_num_seqs)
     if max_body_bytes < 1024:
         fail(f"--max-body-bytes must be at least 1024, got {max_body_bytes}")
     for flag, seconds in (("--header-timeout", header_timeout), ("--body-timeout", body_timeout),
@@ -145,6 +159,7 @@ def serve(
         dtype=dtype,
         quantization=quantization,
         max_context=max_context,
+        max_num_seqs=seqs,
     )
     app_options = dict(
         api_key=api_key,
@@ -180,7 +195,8 @@ def serve(
     name = app.state.model_name
     shown = f"[{host}]" if ":" in host else host
     err.print(
-        f"serving [bold]{name}[/bold] ({engine.method}, k={engine.k}) on "
+        f"serving [bold]{name}[/bold] ({engine.method}, k={engine.k}, "
+        f"{len(engine.batch.seats)} seqs at once) on "
         f"http://{shown}:{port}/v1   Lab: http://{shown}:{port}/lab"
         + ("   (API key required)" if api_key else "")
     )

@@ -78,6 +78,7 @@ class Drafter:
     plans_length: bool = False
     wants_hidden: bool = False  # the engine feeds it the target's hidden states
     tree: str = "off"  # "off" | "on" | "auto": whether rounds may draft trees
+    batches: bool = False  # `for_seat` works: the drafter runs in a batched engine
 
     @classmethod
     def from_models(

@@ -56,6 +56,7 @@ AUTO_PATH_CONFIDENCE = 0.2
 @register("draft")
 class DraftModelProposer(DoubtRules):
     needs_draft_model = True
+    batches = True
     auto_path_confidence = AUTO_PATH_CONFIDENCE
 
     @classmethod

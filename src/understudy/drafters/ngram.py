@@ -88,6 +88,7 @@ class NgramProposer(Drafter):
     """Prompt lookup. Options: prompt_lookup_max (default 5), prompt_lookup_min (default 1)."""
 
     needs_draft_model = False
+    batches = True
 
     @classmethod
     def from_models(

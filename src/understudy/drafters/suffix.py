@@ -254,6 +254,7 @@ class SuffixProposer(Drafter):
     0.03; 8.0 gained little more and guessed more rows."""
 
     needs_draft_model = False
+    batches = True
 
     @classmethod
     def from_models(

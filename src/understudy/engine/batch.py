@@ -162,7 +162,10 @@ class BatchLoop:
         for sequence in self.running:
             request = sequence.request
             assert request is not None
-            if sequence.cancelled or request.emitter.done:
+            if sequence.error is not None:
+                self.free.append(request.seat)
+                self._fail(sequence, sequence.error)
+            elif sequence.cancelled or request.emitter.done:
                 self.free.append(request.seat)
                 self._finish(sequence, request)
             else:
@@ -210,7 +213,11 @@ class BatchLoop:
         self.rows_last_pass = sum(rows.shape[0] for rows in fed)
         t_done = time.perf_counter()
         for sequence, proposal, raw in zip(running, proposals, raws, strict=True):
-            self._finish_round(sequence, proposal, raw.cpu(), t_verify - t_draft, t_done - t_verify)
+            try:
+                draft_s, verify_s = t_verify - t_draft, t_done - t_verify
+                self._finish_round(sequence, proposal, raw.cpu(), draft_s, verify_s)
+            except UnderstudyError as error:  # this request's own (its grammar): it alone ends
+                sequence.error = error
 
     def _finish_round(
         self, sequence: Sequence, proposal: Proposal, raw, draft_s: float, verify_s: float

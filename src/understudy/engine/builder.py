@@ -146,7 +146,7 @@ class EngineSpec:
     verify_rows: int | None = None  # rows of a target pass; default: the hardware's
     draft_quantization: str | None = "auto"
     drafter_options: dict[str, object] = field(default_factory=dict)
-    max_num_seqs: int = 1  # seats: sequences decoded together (engine/batch.py)
+    max_num_seqs: int | str = 1  # seats: sequences decoded together (engine/batch.py), or "auto"
 
     def __post_init__(self) -> None:
         if self.method not in METHODS:

@@ -114,7 +114,7 @@ class Engine:
         device: str | None = None,
         draft_quantization: str | None = "auto",
         quantization: str = "auto",
-        max_num_seqs: int = 1,
+        max_num_seqs: int | str = 1,
         **drafter_options: object,
     ) -> Engine:
         """Load the models and build a ready engine (engine/builder.py). `drafter_options`

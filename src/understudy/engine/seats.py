@@ -15,11 +15,23 @@ from understudy.models.runner import Runner
 from understudy.models.shared_pass import shares_passes
 from understudy.models.transformer import Transformer
 
+# max_num_seqs="auto": this many seats where sequences can share a pass (a wider pass costs
+# rows' arithmetic, which a CPU's memory-bound pass hides up to about this many), else one.
+AUTO_SEATS = 8
 
-def make_seats(runner: Runner, drafter: Drafter | None, count: int) -> list[Seat]:
-    """`count` seats over the target of `runner` (seat 0 is `runner` and `drafter`)."""
+
+def can_batch(runner: Runner, drafter: Drafter | None) -> bool:
+    """Whether sequences on `runner` can share target passes with this drafter."""
+    return shares_passes(runner) and (drafter is None or drafter.batches)
+
+
+def make_seats(runner: Runner, drafter: Drafter | None, count: int | str) -> list[Seat]:
+    """`count` seats over the target of `runner` (seat 0 is `runner` and `drafter`);
+    "auto": AUTO_SEATS where `can_batch`, else 1."""
+    if count == "auto":
+        count = AUTO_SEATS if can_batch(runner, drafter) else 1
     if isinstance(count, bool) or not isinstance(count, int) or count < 1:
-        raise UnderstudyError(f"max_num_seqs must be an integer >= 1, got {count!r}")
+        raise UnderstudyError(f"max_num_seqs must be an integer >= 1 or 'auto', got {count!r}")
     seats = [Seat(runner, drafter)]
     if count == 1:
         return seats

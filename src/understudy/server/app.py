@@ -28,8 +28,9 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from understudy.engine.seats import kv_bytes_per_seat
 from understudy.server.choices import Assembly
-from understudy.server.generation import account, generation_work
+from understudy.server.generation import account, batched_work, generation_work
 from understudy.server.guard import DEFAULT_BODY_TIMEOUT_S, Guard, api_key_problem
 from understudy.server.logprobs import TokenStrings
 from understudy.server.metrics import CONTENT_TYPE, Metrics
@@ -76,8 +77,12 @@ def create_app(
     if problem is not None:
         raise ValueError(problem)
     name = model_name or served_name(engine.target.name)
-    worker = Worker(max_queue)
+    seats = engine.batch.seats
+    batched = len(seats) > 1  # /v1 requests run together on the seats (engine/batch.py)
+    worker = Worker(max_queue, engine.batch if batched else None)
     metrics = Metrics(name, str(engine.method))
+    worker.on_pass = metrics.batch_pass
+    kv_per_seq = kv_bytes_per_seat(seats)
     created = int(time.time())
     strings = TokenStrings(engine.tokenizer)  # token ids -> strings and bytes, for logprobs
 
@@ -128,6 +133,9 @@ def create_app(
             "method": engine.method,
             "running": worker.running,
             "waiting": worker.waiting,
+            "max_num_seqs": len(seats),
+            "rows_last_pass": worker.rows_last_pass,
+            "kv_bytes_per_seq": kv_per_seq,
         }
         if replicas is not None:  # served by Ray Serve: the replicas running now
             report["replicas"] = await replicas()
@@ -173,14 +181,15 @@ def create_app(
                 code="model_not_found",
             )
 
-    def submit(work: Any) -> Job:
-        job = Job(work, asyncio.get_running_loop())
+    def submit(work: Any, size: int = 1, in_batch: bool = False) -> Job:
+        job = Job(work, asyncio.get_running_loop(), size, in_batch)
         try:
             worker.submit(job)
         except QueueFull:
             raise APIError(
                 429,
-                f"the server is busy: {worker.max_queue} requests are already waiting; retry later",
+                f"the server is busy: {worker.max_queue} sequences are already waiting; "
+                "retry later",
                 kind="rate_limit_error",
                 code="queue_full",
             ) from None
@@ -193,7 +202,11 @@ def create_app(
     ) -> Response:
         prompt_param = "messages" if chat else "prompt"
         explicit = body.max_tokens is not None
-        job = submit(generation_work(engine, plan.render, plan.choices, explicit, prompt_param))
+        parts = (engine, plan.render, plan.choices, explicit, prompt_param)
+        if batched:
+            job = submit(batched_work(*parts), len(plan.choices), in_batch=True)
+        else:
+            job = submit(generation_work(*parts))
         events = job.stream(request.is_disconnected)
         streaming = False
         try:

@@ -1,10 +1,13 @@
 """Running one request on the engine (worker thread) and turning its events into responses.
 
-`generation_work` is what the worker thread runs for /v1 requests: encode, check the budget,
-then stream each choice's tokens, one choice after another (`choice_params`: choice i is
-seeded with seed + i when the request gives a seed, so n choices are n reproducible
-streams). `StopHoldback` keeps a streamed text consistent with the final one: text that
-might be the start of a stop string is held back until it is known not to be.
+`generation_work` is what the worker thread runs for /v1 requests on a one-seat engine:
+encode, check the budget, then stream each choice's tokens, one choice after another.
+`batched_work` is the same request on an engine with several seats: it submits the choices
+to the batch loop as sequences, which run together with every other request's (worker.py).
+Either way choice i is seeded with seed + i when the request gives a seed (`choice_params`),
+so n choices are n reproducible streams, each exactly its solo run. `StopHoldback` keeps a
+streamed text consistent with the final one: text that might be the start of a stop string
+is held back until it is known not to be.
 """
 
 from __future__ import annotations
@@ -101,6 +104,62 @@ def generation_work(
             outputs.append(stream.output)
             job.emit("choice", (index, stream.output))
         job.emit("done", outputs)
+
+    return work
+
+
+def batched_work(
+    engine: Any,
+    render: Callable[[], Any],
+    choices: list[SamplingParams],
+    explicit_max_tokens: bool,
+    prompt_param: str,
+) -> Callable[[Job], None]:
+    """`generation_work`'s events, for the batch loop: the worker thread calls the returned
+    function once; it emits "start" and submits one sequence per choice (`job.sequences`),
+    whose callbacks then emit "token" (i, TokenEvent) as rounds run. Tokens of different
+    choices interleave; "choice" (i, output) events come in index order (a choice that ends
+    early waits for the ones before it), then "done" (the outputs). An error of one choice
+    (its grammar, say) is the request's: "error", and its other choices are cancelled."""
+
+    def work(job: Job) -> None:
+        try:
+            prompt = render()
+            ids = encode_for_budget(engine, prompt, choices[0], explicit_max_tokens, prompt_param)
+        except APIError as error:
+            job.emit("error", error)
+            return
+        job.emit("start", {"prompt_tokens": len(ids), "prompt_ids": ids})
+        outputs: list[Any] = [None] * len(choices)
+        emitted = 0
+
+        def on_token(index: int) -> Callable[[Any], None]:
+            return lambda event: job.emit("token", (index, event))
+
+        def on_done(index: int) -> Callable[[Any], None]:
+            def done(output: Any) -> None:
+                nonlocal emitted
+                outputs[index] = output
+                while emitted < len(outputs) and outputs[emitted] is not None:
+                    job.emit("choice", (emitted, outputs[emitted]))
+                    emitted += 1
+                if emitted == len(outputs):
+                    job.emit("done", outputs)
+
+            return done
+
+        def on_error(error: Exception) -> None:
+            if isinstance(error, UnderstudyError):
+                job.emit("error", error_from_understudy(error))
+            else:
+                job.emit("error", error)
+            for sequence in job.sequences:
+                sequence.cancel()
+
+        job.sequences = [
+            engine.batch.submit(ids, params, on_token(i), on_done(i), on_error)
+            for i, params in enumerate(choices)
+        ]
 
     return work
 

@@ -26,6 +26,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from understudy.config import SamplingParams, UnderstudyError
 from understudy.drafters.base import Drafter, Proposal
+from understudy.engine.request import Seat
 from understudy.server.generation import account, encode_for_budget, until_cancelled
 from understudy.server.metrics import Metrics
 from understudy.server.openapi import error_responses, event_stream
@@ -137,8 +138,9 @@ def lab_work(engines: _Engines, run: LabRun, params: SamplingParams) -> Callable
             job.emit("error", error)
             return
         recorder = RecordingDrafter(engine.drafter) if engine.drafter is not None else None
+        seat = engine.seat  # a solo run's rounds call this seat's drafter
         if recorder is not None:
-            engine.drafter = recorder
+            engine.drafter, engine.seat = recorder, Seat(seat.runner, recorder)
         try:
             job.emit("start", {"prompt_tokens": len(ids)})
             stream = engine.stream(ids, params)
@@ -169,7 +171,7 @@ def lab_work(engines: _Engines, run: LabRun, params: SamplingParams) -> Callable
             job.emit("cancelled" if job.cancelled.is_set() else "done", stream.output)
         finally:
             if recorder is not None:
-                engine.drafter = recorder.inner
+                engine.drafter, engine.seat = recorder.inner, seat
 
     return work
 

@@ -26,6 +26,7 @@ __all__ = ["CONTENT_TYPE", "PREFIX", "Metrics"]
 
 PREFIX = "understudy:"
 LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
+ROW_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
 BASE_LABELS = ("model_name", "method")
 
 
@@ -50,9 +51,9 @@ class Metrics:
                 **self._base
             )
 
-        def histogram(name: str, doc: str) -> Any:
+        def histogram(name: str, doc: str, buckets: tuple[float, ...] = LATENCY_BUCKETS) -> Any:
             family = Histogram(
-                PREFIX + name, doc, BASE_LABELS, registry=self.registry, buckets=LATENCY_BUCKETS
+                PREFIX + name, doc, BASE_LABELS, registry=self.registry, buckets=buckets
             )
             return family.labels(**self._base)
 
@@ -90,8 +91,17 @@ class Metrics:
             "tokens_per_target_pass",
             "Generated tokens / target passes since the server started (plain decoding: 1).",
         )
-        self._running = gauge("num_requests_running", "Requests generating now.")
-        self._waiting = gauge("num_requests_waiting", "Requests queued.")
+        self._running = gauge(
+            "num_requests_running", "Sequences generating now (a request's n choices count n)."
+        )
+        self._waiting = gauge(
+            "num_requests_waiting", "Sequences admitted and waiting (queued or for a seat)."
+        )
+        self._pass_rows = histogram(
+            "target_pass_rows",
+            "Rows of each batched round's one target pass (every running sequence's together).",
+            ROW_BUCKETS,
+        )
         self._e2e = histogram("e2e_request_latency_seconds", "Request latency, end to end.")
         self._ttft = histogram("time_to_first_token_seconds", "Time to the first generated token.")
         self._queue = histogram("request_queue_time_seconds", "Time spent waiting in the queue.")
@@ -123,6 +133,10 @@ class Metrics:
             self._accepted += stats["accepted"]
             self._generated += stats["tokens"]
             self._passes += stats["target_passes"]
+
+    def batch_pass(self, rows: int) -> None:
+        """One round of the batch ran a target pass of `rows` rows."""
+        self._pass_rows.observe(rows)
 
     def render(self, running: int, waiting: int) -> bytes:
         """The exposition text (prometheus_client's format; media type CONTENT_TYPE)."""

@@ -121,6 +121,10 @@ def serve_replicas(
     log_level = uvicorn_options.get("log_level", "info")
     drain_s = uvicorn_options.get("timeout_graceful_shutdown")
     max_queue = _app_setting(spec, "max_queue")
+    from understudy.engine.seats import AUTO_SEATS  # (torch: not at this module's import)
+
+    seats = spec.engine.get("max_num_seqs", 1)  # a replica runs this many at once
+    running = AUTO_SEATS if seats == "auto" else int(seats)
     with ray_instance(scale.ray_address, log_level) as local:
         from ray import serve
 
@@ -140,7 +144,7 @@ def serve_replicas(
             EngineReplica,
             name=DEPLOYMENT_NAME,
             ray_actor_options={"num_cpus": scale.replica_cpus},
-            max_ongoing_requests=max_queue + 1 + LIGHT_ROUTE_SLOTS,
+            max_ongoing_requests=max_queue + running + LIGHT_ROUTE_SLOTS,
             max_queued_requests=max(1, max_queue),
             health_check_period_s=HEALTH_CHECK_PERIOD_S,
             max_constructor_retry_count=CONSTRUCTOR_RETRIES,
