@@ -152,6 +152,37 @@ def test_bench_one_peer_only(tiny_pair, prompt_file, tmp_path):
     assert sorted({r["label"] for r in res["runs"]}) == ["hf-lookup", "none"]
 
 
+def test_serving_mode_drives_real_servers(tiny_pair, prompt_file, tmp_path):
+    """`--concurrency`: a real server per method, the same requests at each level, every
+    greedy answer identical to the first method's at one client; table, JSON and plot."""
+    out = tmp_path / "serving"
+    result = invoke(tiny_pair, prompt_file, out, "--concurrency", "1,3", "--requests", "3")
+    assert result.exit_code == 0, result.output
+    res = json.loads((out / "serving.json").read_text())
+    levels = [(lv["method"], lv["concurrency"]) for lv in res["levels"]]
+    assert levels == [("none", 1), ("none", 3), ("draft", 1), ("draft", 3)]
+    for level in res["levels"]:
+        assert level["requests"] == 3 and level["tokens"] == 3 * 8  # EOS ignored
+        assert level["identical"] is True
+        assert 0 < level["ttft_p50_s"] <= level["latency_p50_s"] <= level["latency_p95_s"]
+    assert res["servers"]["draft"]["max_num_seqs"] == 3
+    assert (out / "throughput.png").stat().st_size > 0 and "| none | 3 |" in (
+        out / "serving.md"
+    ).read_text()
+
+
+def test_serving_mode_refuses_what_it_cannot_do(tiny_pair, prompt_file, tmp_path):
+    for extra, message in (
+        (("--concurrency", "1,x"), "--concurrency takes integers"),
+        (("--concurrency", "0"), "integers >= 1"),
+        (("--concurrency", "2", "--methods", "none,telepathy"), "got 'telepathy'"),
+        (("--concurrency", "2", "--compare", "hf"), "does not take --compare"),
+        (("--requests", "4",), "--requests belongs to serving mode"),
+    ):  # fmt: skip
+        result = invoke(tiny_pair, prompt_file, tmp_path, *extra)
+        assert result.exit_code == 2 and message in result.output, (extra, result.output)
+
+
 @pytest.mark.parametrize("name", SHIPPED_SETS)
 def test_shipped_prompt_sets(name):
     prompts = load_prompt_file(name)

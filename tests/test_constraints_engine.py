@@ -153,3 +153,95 @@ def test_wrong_wiring_fails_greedy_identity(speculative, plain, monkeypatch):
     mutate(monkeypatch)
     got = {case: greedy_outputs(speculative["draft"], case) for case in want}
     assert got != want
+
+
+# -- the sampled law under processors (batched) -------------------------------------------------
+
+LAW = dict(  # a grammar's mask, a bias, every penalty, top-k: all at once
+    temperature=1.0, top_k=4, max_tokens=3, frequency_penalty=0.7,
+    presence_penalty=0.4, repetition_penalty=1.3, logit_bias={17: 2.0},
+    structured=StructuredSpec(regex="[a-z ]{1,40}"),
+)  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def disagreeing(tmp_path_factory) -> Engine:
+    """A draft that disagrees often (noise 0.5), on four seats: rejections, residuals and
+    sequences joining mid-batch all matter."""
+    from conftest import make_tiny_pair
+
+    target, draft = make_tiny_pair(tmp_path_factory.mktemp("law"), seed=5, noise=0.5)
+    return Engine.from_pretrained(
+        target, draft, dtype="float32", num_speculative_tokens=2, max_num_seqs=4
+    )
+
+
+def processed_joint(engine: Engine, prompt: list[int], params: SamplingParams) -> dict:
+    """P(x1, x2, x3) under the processed, warped target law, by enumeration: at each prefix
+    a fresh processor that has seen prompt + prefix changes the target's logits. EOS (which
+    the grammar allows once it is complete) ends a sequence early."""
+    from understudy.models.runner import Runner
+    from understudy.verify.sampling import warp_probs
+
+    runner = Runner(engine.target.model, 64)
+    vocab, eos = runner.vocab_size, engine.target.eos_token_ids
+    law: dict[tuple[int, ...], float] = {}
+
+    def expand(prefix: tuple[int, ...], mass: float) -> None:
+        if len(prefix) == 3:
+            law[prefix] = mass
+            return
+        processor = build_processor(params, engine.tokenizer, vocab, eos)
+        processor.begin(prompt)
+        processor.commit(prompt + list(prefix))
+        logits = runner.prefill(torch.tensor(prompt + list(prefix)))[None]
+        probs = warp_probs(processor.process(logits, []), params)[0]
+        for token in probs.nonzero().flatten().tolist():
+            if token in eos:
+                law[(*prefix, token)] = mass * float(probs[token])
+            else:
+                expand((*prefix, token), mass * float(probs[token]))
+
+    expand((), 1.0)
+    return law
+
+
+def processed_goodness_of_fit(engine: Engine, samples: int) -> float:
+    from stats_helpers import chisquare_pvalue
+
+    prompt = engine.tokenizer.encode("def add(a, b):")
+    params = SamplingParams(**LAW)
+    law = processed_joint(engine, prompt, params)
+    counts = dict.fromkeys(law, 0)
+    for start in range(0, samples, 7):  # seven sampled requests a batch, on four seats
+        batch = [
+            SamplingParams(**{**LAW, "seed": s}) for s in range(start, min(start + 7, samples))
+        ]
+        for out in engine.generate([prompt] * len(batch), batch):
+            key = tuple(out.token_ids)
+            if key not in counts:
+                return 0.0  # a sequence the processed target can never produce
+            counts[key] += 1
+    cells = sorted(law)
+    return chisquare_pvalue([counts[c] for c in cells], [law[c] for c in cells])
+
+
+def test_sampling_under_processors_has_the_processed_law(disagreeing):
+    """N = 3000 batched draws, Pearson chi-squared over the joint outcomes of three tokens,
+    p > ALPHA = 0.001 (stats_helpers.py), with the drafts rejected often enough to matter."""
+    from stats_helpers import ALPHA
+
+    pvalue = processed_goodness_of_fit(disagreeing, 3000)
+    assert pvalue > ALPHA, f"p = {pvalue:.2e}"
+
+
+def test_a_wrong_verifier_fails_the_processed_law_test(disagreeing, monkeypatch):
+    """Mutation: resampling a rejected position from p' instead of the residual is detected
+    at the same N. (The other wrong wiring, drafts checked against the raw target, is caught
+    sooner: the grammar's matcher refuses the first forbidden token it is asked to commit.)"""
+    import understudy.engine.engine as engine_module
+    from stats_helpers import ALPHA, resample_from_p_verify
+
+    monkeypatch.setattr(engine_module, "verify_sampling", resample_from_p_verify)
+    pvalue = processed_goodness_of_fit(disagreeing, 3000)
+    assert pvalue < ALPHA, f"the wrong wiring was not detected (p = {pvalue:.3f})"

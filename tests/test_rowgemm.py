@@ -8,7 +8,8 @@ import torch
 import torch.nn.functional as F
 
 from understudy.kernels import rowgemm
-from understudy.kernels.rowgemm import RowInvariantLinear, build
+from understudy.kernels.build import compile_shared
+from understudy.kernels.rowgemm import FLAGS, SOURCE, RowInvariantLinear
 
 pytestmark = pytest.mark.skipif(not rowgemm.available(), reason="no C compiler here")
 
@@ -53,6 +54,7 @@ def test_torch_linear_is_not_row_invariant():
     assert any(not torch.equal(F.linear(rows[:m], weight)[0], alone) for m in range(2, 17))
 
 
-def test_a_broken_compiler_means_no_kernel(tmp_path):
-    assert build("/bin/false", tmp_path) is None
+def test_a_broken_compiler_means_no_kernel(tmp_path, monkeypatch):
+    monkeypatch.setenv("CC", "/bin/false")
+    assert compile_shared(SOURCE, tmp_path, FLAGS) is None
     assert list(tmp_path.glob("*.so")) == []

@@ -69,6 +69,13 @@ class ServingConfig:
             raise UnderstudyError(f"--requests must be >= 1, got {self.requests}")
         if not self.methods:
             raise UnderstudyError("--methods is empty")
+        from understudy.engine.builder import METHODS
+
+        for method in self.methods:
+            if method not in METHODS:
+                raise UnderstudyError(
+                    f"serving mode takes method names ({', '.join(METHODS)}), got {method!r}"
+                )
 
 
 @dataclass
@@ -209,13 +216,10 @@ def run_level(server: ServerUnderTest, bodies: list[tuple[str, dict]], clients: 
 
 
 def server_args(config: ServingConfig, method: str) -> list[str]:
-    name, _, options = method.partition(":")
-    args = ["--method", name, "-k", config.k, "--dtype", config.dtype,
+    args = ["--method", method, "-k", config.k, "--dtype", config.dtype,
             "--max-context", str(config.max_context),
             "--max-num-seqs", str(max(config.concurrency)),
             "--max-queue", str(config.requests), "--log-level", "warning"]  # fmt: skip
-    if options:
-        raise UnderstudyError(f"serving mode takes plain method names, got {method!r}")
     for flag, value in (("--target", config.target), ("--draft", config.draft)):
         if value is not None:
             args += [flag, value]

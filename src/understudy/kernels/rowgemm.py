@@ -2,91 +2,39 @@
 
 Why: torch's CPU matmuls pick their kernel and blocking by the number of rows, so a row's
 logits scored among K others differ in the last bits from the same row scored alone, and a
-verifier's near-ties can flip (README, "Identical output by construction"). rowgemm.c
+verifier's near-ties can flip (docs/design.md, section 2). rowgemm.c
 computes every output as one sequential chain of fused multiply-adds over the reduction
 dimension, whatever the number of rows: a row's result is bitwise independent of its
 companions by construction. So the target needs no padding: plain decoding scores 1 row,
 verification K+1, and both agree bitwise.
 
-The C source is compiled once per machine with the system C compiler (`cc`, or `$CC`),
-`-O3 -march=native`, into the understudy cache, keyed by a hash of the source, the compiler
-and the CPU's flags. Without a compiler, or off x86/ARM Linux-like systems where that fails,
-`load()` returns None and the engine falls back to padded passes (factory.py), as it does
-with UNDERSTUDY_ROWGEMM=0.
+The C source is compiled once per machine (kernels/build.py, `-O3 -march=native`). Without
+a compiler, or where that fails, `load()` returns None and the engine falls back to padded
+passes (engine/builder.py), as it does with UNDERSTUDY_ROWGEMM=0.
 """
 
 from __future__ import annotations
 
 import ctypes
-import hashlib
 import os
-import platform
-import shutil
-import subprocess
-import tempfile
 from functools import cache
 from pathlib import Path
 
 import torch
 from torch import nn
 
+from understudy.kernels.build import compile_shared
 from understudy.models.fetch import cache_dir
 
 SOURCE = Path(__file__).with_name("rowgemm.c")
 LANES = 16  # output columns per packed block (rowgemm.c)
-
-
-def _cpu_signature() -> str:
-    try:
-        text = Path("/proc/cpuinfo").read_text()
-        flags = next(line for line in text.splitlines() if line.startswith(("flags", "Features")))
-    except (OSError, StopIteration):
-        flags = platform.processor()
-    return f"{platform.machine()} {flags}"
-
-
-def _compiler() -> str | None:
-    return shutil.which(os.environ.get("CC", "cc")) or shutil.which("gcc")
-
-
-def build(compiler: str, folder: Path) -> Path | None:
-    """Compile rowgemm.c into `folder` (once: the file name holds a hash of the source, the
-    compiler and the CPU's flags); None if the compiler fails."""
-    source = SOURCE.read_bytes()
-    key = hashlib.sha256(source + compiler.encode() + _cpu_signature().encode()).hexdigest()[:16]
-    target = folder / f"rowgemm-{key}.so"
-    if target.exists():
-        return target
-    folder.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=folder) as tmp:
-        built = Path(tmp) / target.name
-        command = [
-            compiler,
-            "-O3",
-            "-march=native",
-            "-fopenmp",
-            "-fPIC",
-            "-shared",
-            "-o",
-            str(built),
-            str(SOURCE),
-            "-lm",
-        ]
-        try:
-            result = subprocess.run(command, capture_output=True, text=True, timeout=300)
-        except (OSError, subprocess.TimeoutExpired):
-            return None
-        if result.returncode != 0:
-            return None
-        os.replace(built, target)  # atomic: concurrent builders never see a partial file
-    return target
+FLAGS = ("-O3", "-march=native", "-fopenmp")  # its FMA chain is written out: no contract flag
 
 
 @cache
 def load() -> ctypes.CDLL | None:
     """The compiled kernel library, building it if needed; None when it cannot be built."""
-    compiler = _compiler()
-    built = None if compiler is None else build(compiler, cache_dir() / "kernels")
+    built = compile_shared(SOURCE, cache_dir() / "kernels", FLAGS)
     if built is None:
         return None
     try:
