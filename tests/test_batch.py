@@ -223,6 +223,23 @@ def test_the_cap_drafts_while_rows_are_cheap_and_stops_when_they_are_not():
     assert choose_cap(mixed, dear) == 0
 
 
+def test_the_drafts_lag_is_a_cost_of_drafting():
+    """A draft model that must first be fed what it has not seen (a sequence that just
+    joined: its whole prompt) makes the same round's drafting dearer, here too dear."""
+    costs = BatchCosts(Curve((1, 8, 64), (0.10, 0.12, 0.5)), Curve((1, 8, 64), (0.03, 0.04, 0.3)))
+    caught_up = [Wish(4, True, flat, lag=2) for _ in range(4)]
+    assert choose_cap(caught_up, costs) == 4
+    joined = [*caught_up[:3], Wish(4, True, flat, lag=600)]
+    assert choose_cap(joined, costs) == 0
+    # paid once, the lag serves the rest of a long answer: a round is charged its share
+    long_answer = [*caught_up[:3], Wish(4, True, flat, lag=600, remaining=4000)]
+    assert choose_cap(long_answer, costs) == 4
+    assert long_answer[3].first_rows(4) == pytest.approx(1 + 599 * flat(4) / 4000)
+    assert costs.draft_seconds([2, 1, 0], [3.0, 5.0, 900.0]) == pytest.approx(
+        costs.draft(8) + costs.draft(1)  # the first pass: 3 + 5 rows; then one row
+    )
+
+
 def test_the_curve_interpolates_and_extrapolates():
     curve = Curve((1, 4, 8), (1.0, 1.3, 2.1))
     assert curve(1) == 1.0 and curve(8) == pytest.approx(2.1)

@@ -242,9 +242,15 @@ class BatchLoop:
         if self.costs is None or self.engine.k != "auto" or len(running) < 2:
             return wants
         wishes = [
-            Wish(want, s.params.greedy, s.planner.expected_tokens)
+            Wish(
+                want,
+                s.params.greedy,
+                s.planner.expected_tokens,
+                _lag(s.request),
+                s.request.emitter.remaining,
+            )  # fmt: skip
             for want, s in zip(wants, running, strict=True)
-            if s.planner is not None
+            if s.planner is not None and s.request is not None
         ]
         cap = choose_cap(wishes, self.costs)
         return [min(w.want, cap) if w.capped else w.want for w in wishes]
@@ -261,6 +267,13 @@ class BatchLoop:
                              request.generator)
             )  # fmt: skip
         return self.drafter_class.propose_batch(chains)
+
+
+def _lag(request: Request) -> int:
+    """Tokens the sequence's draft model has not been fed yet (0 without a draft model)."""
+    drafter = request.seat.drafter
+    runner = None if drafter is None else drafter.draft_runner()
+    return 0 if runner is None else max(len(request.tokens) - runner.length, 0)
 
 
 def stream_batch(

@@ -12,7 +12,11 @@ one cap c for the whole batch is chosen to maximise the modelled throughput
 
 where a sequence's expected tokens for k guesses come from its own acceptance estimates
 (policy/adaptive_k.py), T is the target pass's measured cost by rows and draft(c) the draft
-passes (one per guess depth, all sequences still drafting sharing it). c = 0 is plain
+passes (one per guess depth, all sequences still drafting sharing it). The first of those
+passes also feeds each drafting sequence's draft model what it has not seen yet (its lag:
+the tokens kept since it last drafted; a sequence that just joined, its whole prompt). A
+lag is paid once and serves every later round of the sequence, so a round is charged the
+share of it that its expected tokens are of the sequence's remaining budget. c = 0 is plain
 batched decoding, chosen when no speculation pays. The plan never changes which tokens are
 emitted (verification decides that), only how many rounds they take.
 
@@ -42,7 +46,7 @@ class Curve:
     points: tuple[int, ...]
     seconds: tuple[float, ...]
 
-    def __call__(self, rows: int) -> float:
+    def __call__(self, rows: float) -> float:
         if rows <= 0:
             return 0.0
         xs, ys = self.points, self.seconds
@@ -60,25 +64,38 @@ class BatchCosts:
     target: Curve  # one target pass, by its rows (all sequences together)
     draft: Curve | None  # one draft step, by the sequences sharing it (None: a free drafter)
 
-    def draft_seconds(self, lengths: list[int]) -> float:
+    def draft_seconds(self, lengths: list[int], first_rows: list[float]) -> float:
         """Draft passes for chains of these lengths, one pass per depth shared by all the
-        chains that reach it."""
-        if self.draft is None or not lengths:
+        chains that reach it; the first holds first_rows[i] rows of each drafting chain."""
+        if self.draft is None or not lengths or max(lengths) == 0:
             return 0.0
-        return sum(
+        first = sum(rows for k, rows in zip(lengths, first_rows, strict=True) if k > 0)
+        return self.draft(first) + sum(
             self.draft(sum(1 for k in lengths if k >= depth))
-            for depth in range(1, max(lengths) + 1)
+            for depth in range(2, max(lengths) + 1)
         )
 
 
 @dataclass(frozen=True)
 class Wish:
     """One sequence's view of the round: its own planner's length, whether it is capped
-    (greedy sequences are), and its expected tokens for k guesses."""
+    (greedy sequences are), its expected tokens for k guesses, its draft model's lag (tokens
+    to feed before it can guess; 0 for a drafter without a model) and its remaining budget
+    (0: unknown, the whole lag is this round's)."""
 
     want: int
     capped: bool
     expected_tokens: Callable[[int], float]
+    lag: int = 0
+    remaining: int = 0
+
+    def first_rows(self, k: int) -> float:
+        """This sequence's rows in the round's first draft pass when it drafts k guesses:
+        one, plus the round's share of the rest of its lag."""
+        if self.lag <= 1 or k == 0:
+            return 1.0
+        share = 1.0 if self.remaining <= 0 else min(1.0, self.expected_tokens(k) / self.remaining)
+        return 1.0 + (self.lag - 1) * share
 
 
 def choose_cap(wishes: list[Wish], costs: BatchCosts) -> int:
@@ -88,10 +105,13 @@ def choose_cap(wishes: list[Wish], costs: BatchCosts) -> int:
     for cap in range(top + 1):
         lengths = [min(w.want, cap) if w.capped else w.want for w in wishes]
         tokens = sum(w.expected_tokens(k) for w, k in zip(wishes, lengths, strict=True))
-        shared = [k for w, k in zip(wishes, lengths, strict=True) if w.capped]
-        alone = sum(k for w, k in zip(wishes, lengths, strict=True) if not w.capped)
-        seconds = costs.target(sum(lengths) + len(lengths)) + costs.draft_seconds(shared)
-        seconds += 0.0 if costs.draft is None else alone * costs.draft(1)
+        pairs = list(zip(wishes, lengths, strict=True))
+        shared = [(k, w.first_rows(k)) for w, k in pairs if w.capped]
+        seconds = costs.target(sum(lengths) + len(lengths))
+        seconds += costs.draft_seconds([k for k, _ in shared], [rows for _, rows in shared])
+        for w, k in pairs:  # a sampled sequence steps its draft in passes of its own
+            if not w.capped:
+                seconds += costs.draft_seconds([k], [w.first_rows(k)])
         rate = tokens / max(seconds, 1e-9)
         if rate > best_rate * (1 + 1e-6):
             best_cap, best_rate = cap, rate
