@@ -10,10 +10,7 @@ past them):
    difference is allowed only where transformers' own top two logits are a near-tie;
 3. speculative: greedy method="ngram" and method="draft" (a noisy copy as draft) == plain,
    bit for bit, with row-invariant kernels and with padded passes (split attention);
-4. sampling law (one mixture of experts, one sliding-window model): the joint law of the
-   first two sampled tokens is the target's (chi-squared, p > ALPHA), and a wrong verifier
-   fails the same test;
-5. refusals: recurrent and unknown architectures are refused with a one-line reason.
+4. refusals: recurrent and unknown architectures are refused with a one-line reason.
 """
 
 from __future__ import annotations
