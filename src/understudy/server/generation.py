@@ -67,6 +67,25 @@ def choice_params(params: SamplingParams, n: int) -> list[SamplingParams]:
     return [replace(params, seed=params.seed + i) for i in range(n)]
 
 
+def start(
+    job: Job,
+    engine: Any,
+    render: Callable[[], Any],
+    params: SamplingParams,
+    explicit_max_tokens: bool,
+    prompt_param: str,
+) -> list[int] | None:
+    """Render and encode the prompt (worker thread) and emit "start"; None after emitting
+    "error" when the prompt does not fit or does not encode."""
+    try:
+        ids = encode_for_budget(engine, render(), params, explicit_max_tokens, prompt_param)
+    except APIError as error:
+        job.emit("error", error)
+        return None
+    job.emit("start", {"prompt_tokens": len(ids), "prompt_ids": ids})
+    return ids
+
+
 def generation_work(
     engine: Any,
     render: Callable[[], Any],
@@ -82,13 +101,9 @@ def generation_work(
     the client's error: a 400 naming the field."""
 
     def work(job: Job) -> None:
-        try:
-            prompt = render()
-            ids = encode_for_budget(engine, prompt, choices[0], explicit_max_tokens, prompt_param)
-        except APIError as error:
-            job.emit("error", error)
+        ids = start(job, engine, render, choices[0], explicit_max_tokens, prompt_param)
+        if ids is None:
             return
-        job.emit("start", {"prompt_tokens": len(ids), "prompt_ids": ids})
         outputs = []
         for index, params in enumerate(choices):
             try:
@@ -123,13 +138,9 @@ def batched_work(
     (its grammar, say) is the request's: "error", and its other choices are cancelled."""
 
     def work(job: Job) -> None:
-        try:
-            prompt = render()
-            ids = encode_for_budget(engine, prompt, choices[0], explicit_max_tokens, prompt_param)
-        except APIError as error:
-            job.emit("error", error)
+        ids = start(job, engine, render, choices[0], explicit_max_tokens, prompt_param)
+        if ids is None:
             return
-        job.emit("start", {"prompt_tokens": len(ids), "prompt_ids": ids})
         outputs: list[Any] = [None] * len(choices)
         emitted = 0
 
