@@ -27,7 +27,7 @@ test: setup
 bench: setup
 	$(PY) -m understudy.cli bench --compare hf
 
-# method=eagle: train the default target's own prediction head (resumable; see README)
+# method=eagle: train the default target's own prediction head (resumable; docs/eagle.md)
 head: setup
 	$(PY) -m understudy.cli train-head
 
