@@ -19,9 +19,9 @@ from typing import Any
 from understudy.config import UnderstudyError
 
 SHIPPED_SETS = ("completion", "editing", "chat", "summarize")
-# The headline subset: the first 3 prompts of each category, 96 new tokens. Measured on the
-# 2-core CPU (fp32, 6-row passes): `understudy bench --compare hf` (none, draft and the three
-# transformers peers) took 24.7 minutes with loading, ~2 min a prompt.
+# The headline subset: the first 3 prompts of each category, 96 new tokens, so that
+# `understudy bench --compare hf` (none, draft and the three transformers peers, ~2 minutes a
+# prompt on a 2-core CPU) stays under half an hour (docs/benchmarks.md).
 DEFAULT_PER_CATEGORY = 3
 
 

@@ -26,7 +26,9 @@ def serve(
         str | None, typer.Option(help="Target model: registry name, HF id, directory or .gguf.")
     ] = None,
     draft: Annotated[str | None, typer.Option(help="Draft model (method=draft).")] = None,
-    method: Annotated[str, typer.Option(help="none | draft | ... (see README)")] = "draft",
+    method: Annotated[
+        str, typer.Option(help="none | draft | ngram | suffix | hybrid | eagle")
+    ] = "draft",
     k: Annotated[
         str,
         typer.Option(

@@ -46,10 +46,10 @@ from understudy.verify.sampling import sample, warp_probs
 
 # draft_path_confidence under automatic K. A guess is worth drafting while the chance that it
 # is kept (the round's calibrated path probability) beats what its draft step and target row
-# cost in tokens, ~(c + v) * tokens per pass ~ 0.17 * 2 here, less the verify pass a longer
-# round saves. Replayed exactly over 20 greedy outputs (README, "Automatic K"): 0.2 with
-# calibration was within 2% of the best fixed K or above it in all four categories; the raw
-# product at 0.3 (the previous default) fell 5% behind K = 4 on chat
+# cost in tokens, ~(c + v) * tokens per pass ~ 0.17 * 2 for the default pair, less the verify
+# pass a longer round saves. With calibration, 0.2 is within 2% of the best fixed K or above
+# it in every prompt category, where the uncalibrated product at 0.3 trails K = 4 by 5% on
+# chat (docs/design.md, sections 5 and 7)
 AUTO_PATH_CONFIDENCE = 0.2
 
 

@@ -50,8 +50,8 @@ from understudy.verify.sampling import sample, warp_probs
 TREE_SLOTS = 256
 # draft_path_confidence under automatic K: a guess is worth drafting while the chance that
 # the round is kept up to it beats its cost in tokens, ~(c + v) * tokens per pass: c ~ 0.03
-# for the head, v ~ 0 on padded passes, ~1.7 tokens a pass; on padded bf16 passes over 8
-# completion prompts 0.05 was the fastest of 0.05, 0.1 and off (docs/eagle-sessions.md)
+# for the head, v ~ 0 on padded passes, ~1.7 tokens a pass, so ~0.05 (the fastest of 0.05,
+# 0.1 and off on the completion prompts: docs/eagle.md)
 AUTO_PATH_CONFIDENCE = 0.05
 
 
@@ -101,10 +101,10 @@ class EagleProposer(DoubtRules):
     ) -> EagleProposer:
         defaults = {
             "head": None,
-            # trees where they pay (tree_choice.py), 4 children a node. On the 1.5B target:
-            # trees beat chains where rows are free (padded bf16 passes) and lose where each
-            # row costs (unpadded float32), so "auto" learns which; 4 children kept more
-            # tokens a tree round than 2 (measurements: docs/eagle-sessions.md)
+            # trees where they pay (tree_choice.py), 4 children a node: trees beat chains
+            # where rows are free (padded bf16 passes) and lose where each row costs
+            # (unpadded float32), so "auto" learns which; 4 children keep more tokens a tree
+            # round than 2, and more than 4 no more (docs/eagle.md)
             "tree": "auto",
             "tree_branching": 4,
             "draft_confidence": 0.0,

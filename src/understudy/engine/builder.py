@@ -67,11 +67,10 @@ def default_verify_rows(dtype: torch.dtype, device: torch.device) -> int:
     """Rows per padded target pass (every decode pass, plain included, has exactly this
     many) where row-invariant kernels are not available (CUDA, bfloat16, no C compiler).
 
-    Chosen by measurement (README, "Identical output by construction";
-    scripts/row_budget.py): where matmuls are flat in rows (CUDA, CPUs with native bf16) a
-    wide budget is nearly free. On a CPU without native bf16 (fp32, linears prepacked for
-    oneDNN from 4 rows on) a 1.5B pass costs ~270 ms at 3 rows and ~320 ms at 6, and 6 rows
-    gave the fastest draft and n-gram decoding (8 rows: no faster).
+    Chosen by measurement (docs/design.md, section 2): where matmuls are flat in rows (CUDA,
+    CPUs with native bf16) a wide budget is nearly free. On a CPU without native bf16 (fp32,
+    linears prepacked for oneDNN from 4 rows on) a 1.5B pass costs ~270 ms at 3 rows and
+    ~320 ms at 6, and 6 rows gave the fastest draft and n-gram decoding (8 rows: no faster).
     """
     if device.type == "cuda" or (dtype == torch.bfloat16 and cpu_has_native_bf16()):
         return 16

@@ -10,13 +10,10 @@ The continuation is decoded in batches (`continue_in_batches`): the sequences of
 run in lockstep, one row each in every pass of the single-sequence model, each sequence in
 its own region of cache slots (sequence b's token at position p is written to slot
 b * T + p) and each row attending only to its own region (`regions`, one batched SDPA call
-over views of the cache). A pass streams the weights once however many rows it holds.
-Measured on the 1.5B bf16 target on a 2-core AMX CPU (2026-12-02), 256-token sequences:
-192 a batch wrote 271 tokens/s and 320 wrote 292 (random prompts of 20-120 tokens); the
-default 256 wrote 316 tokens/s from docstring prompts and 281 from openers (which sample
-their first tokens). Packing 48 a batch with each row's keys gathered
-wrote 107 tokens/s on the same machine. The features come out of the same passes,
-so there is no second run over the text.
+over views of the cache). A pass streams the weights once however many rows it holds, so a
+batch of 256 writes about 3x the tokens per second of packing fewer sequences with each
+row's keys gathered (docs/eagle.md has the timings). The features come out of the same
+passes, so there is no second run over the text.
 
 A second kind of prompt (`opener_prompts`) reaches the languages the standard library has
 none of: a few characters that open a source file in JavaScript, C, Go, Rust, SQL, ...
@@ -24,7 +21,7 @@ none of: a few characters that open a source file in JavaScript, C, Go, Rust, SQ
 at `temperature`), then continues greedily like the docstring prompts (measured: a head
 trained on Python only made 1.3 tokens per target pass on a JavaScript completion prompt
 and 2.2-3.4 on the Python ones; adding text begun this way raised the JavaScript one to
-1.7 and the C one from 1.9 to 2.9; docs/eagle-sessions.md).
+1.7 and the C one from 1.9 to 2.9; docs/eagle.md).
 
 Shards have the layout of head/features.py (tokens, features, argmax), so training reads
 them like any corpus. Invariant: row t of a sequence holds the target's final hidden state

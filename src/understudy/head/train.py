@@ -60,8 +60,8 @@ class TrainConfig:
     checkpoint_every: int = 100
     # half-width of the uniform noise added to the real input features, in units of the
     # features' std (0 = off); the first unrolled step reads them, later steps read the
-    # head's own predictions, which carry their own error. Off by default: 0.2 gained
-    # nothing on 262k stdlib tokens (docs/eagle-sessions.md)
+    # head's own predictions, which carry their own error. Off by default: 0.2 did not curb
+    # overfitting (docs/eagle.md)
     feature_noise: float = 0.0
     precision: str = "auto"  # "auto" = bfloat16 where the hardware multiplies it natively
 

@@ -3,7 +3,7 @@ price of little more than one.
 
 `F.linear` on a CPU runs a matrix-vector kernel for 1-3 rows and switches to a general
 matmul from 4 rows on, which repacks the weight on every call: on the 1.5B target a pass of
-4 rows costs ~1.8x a pass of 3 (README, "Identical output by construction"). oneDNN can
+4 rows costs ~1.8x a pass of 3 (docs/design.md, section 2). oneDNN can
 pack each weight ONCE, in the blocked layout its matmul wants, and then a pass of 4-6 rows
 costs about what 3 rows cost unpacked. We pack the target's linears at load when its row
 budget is >= 4.

@@ -19,8 +19,8 @@ V_head + P_tail @ V_tail. Every operation is row-wise (matmuls over shared opera
 softmax, the sum), and h_r depends only on p_r and R, so a row's output depends only on its
 own query and the keys at its chain positions: a tree node's logits are bitwise those of its
 path decoded as a chain (tests/test_tree.py). Cost on the 1.5B target's shapes in bfloat16
-(2-core AVX512-BF16 EPYC, a 512-slot window, 16 rows): 0.52 ms a layer against 0.45 ms for
-one SDPA call; a whole pass, 0-6% (scripts/pass_cost.py, README).
+(a 512-slot window, 16 rows): ~15% a layer over one SDPA call, 0-6% of a whole pass
+(docs/design.md, section 3).
 """
 
 from __future__ import annotations

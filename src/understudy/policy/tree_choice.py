@@ -2,10 +2,11 @@
 
 A tree adds accepted length over a chain of the same depth (siblings catch some of the
 chain's misses), but it costs more: every node is a row of the target's pass, and on the
-row-invariant CPU path a tree pass also gathers each node's keys (engine.py); the measured
-answer differs by machine (docs/design.md, "Token trees": slower on a 2-core CPU). So the engine
-keeps, over its requests, the tokens each shape has emitted per round and what its rounds
-cost in target passes, with the costs measured when the engine was built:
+row-invariant CPU path a tree pass also gathers each node's keys (models/runner.py); the measured
+answer differs by machine (docs/design.md, section 6: slower on a 2-core CPU's float32
+path). So the engine keeps, over its requests, the tokens each shape has emitted per round
+and what its rounds cost in target passes, with the costs measured when the engine was
+built:
 
     chain round: 1 + rows * v      + draft passes * c
     tree round:  1 + nodes * v_tree + depth * c
