@@ -3,6 +3,7 @@ by uvicorn on a thread of the test process, both on a free loopback port."""
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import socket
@@ -174,3 +175,12 @@ def check_sigterm_drains(server: ServerProcess, model: str) -> None:
     assert chunks[-1]["choices"][0]["finish_reason"] == "length"
     assert chunks[-1]["usage"]["completion_tokens"] == 800
     assert server.proc.wait(60) == 0, server.log()
+
+
+def lab_run(url: str, mode: str, max_tokens: int) -> list[dict]:
+    """One Lab run (`/lab/api/run`, mode "plain" or "spec"): its server-sent events, decoded."""
+    body = {"mode": mode, "prompt": "def add(a, b):", "max_tokens": max_tokens}
+    with httpx.stream("POST", url + "/lab/api/run", json=body, timeout=60) as response:
+        assert response.status_code == 200, response.read()
+        assert response.headers["content-type"].startswith("text/event-stream")
+        return [json.loads(line[6:]) for line in response.iter_lines() if line.startswith("data: ")]

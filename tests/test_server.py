@@ -1,9 +1,8 @@
 """The OpenAI-compatible server, end to end, with the official `openai` client.
 
-Most tests talk to a real `understudy serve` process on loopback (tiny models); the ones that
-need to hold the engine busy or watch it (429, disconnects, the API key) serve the same app
-on a thread of this process around a wrapped engine. The last test stops the real server
-with SIGTERM while a request streams, and checks that the request finishes first.
+Every test talks to one real `understudy serve` process on loopback (tiny models); the tests
+that hold the engine busy or watch it are in test_server_inprocess.py. The last test stops
+the server with SIGTERM while a request streams, and checks that the request finishes first.
 """
 
 from __future__ import annotations
@@ -11,8 +10,6 @@ from __future__ import annotations
 import asyncio
 import json
 import re
-import threading
-import time
 from pathlib import Path
 
 import httpx
@@ -20,8 +17,7 @@ import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from server_helpers import ServerProcess, SlowEngine, check_sigterm_drains, serve_in_thread
-from understudy.engine.engine import Engine
+from server_helpers import ServerProcess, check_sigterm_drains, lab_run
 
 K = "2"  # fp32 CPU target passes hold 3 rows by default: K=2 keeps greedy output exact
 
@@ -42,19 +38,8 @@ def client(server):
     return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=60)
 
 
-@pytest.fixture(scope="module")
-def engine(tiny_pair):
-    target, draft = tiny_pair
-    return Engine.from_pretrained(
-        target=target, draft=draft, dtype="float32", num_speculative_tokens=int(K)
-    )
-
-
 def spec_stats(response) -> dict:
     return response.model_extra["metrics"]["speculative_decoding"]
-
-
-# --- the real server process -------------------------------------------------------------
 
 
 def test_health_and_models(server, client):
@@ -345,153 +330,7 @@ def test_lab_page_and_api(server):
             assert drafted[: len(kept)] == kept
 
 
-def lab_run(url: str, mode: str, max_tokens: int) -> list[dict]:
-    body = {"mode": mode, "prompt": "def add(a, b):", "max_tokens": max_tokens}
-    with httpx.stream("POST", url + "/lab/api/run", json=body, timeout=60) as response:
-        assert response.status_code == 200, response.read()
-        assert response.headers["content-type"].startswith("text/event-stream")
-        return [json.loads(line[6:]) for line in response.iter_lines() if line.startswith("data: ")]
-
-
 def test_zz_sigterm_drains_and_exits_cleanly(server):
     """Runs last: SIGTERM while a request streams; the request completes, then the process
     exits with status 0."""
     check_sigterm_drains(server, server.model)
-
-
-# --- in-process server around a wrapped engine ------------------------------------------
-
-
-def test_api_key(engine):
-    from understudy.server import create_app
-
-    app = create_app(engine, api_key="sekrit", model_name="tiny")
-    with serve_in_thread(app) as url:
-        for key in ("wrong", None):
-            headers = {"Authorization": f"Bearer {key}"} if key else {}
-            response = httpx.post(url + "/v1/completions", content=b"{not json", headers=headers)
-            assert response.status_code == 401
-            assert response.json()["error"]["type"] == "authentication_error"
-        bad = openai.OpenAI(base_url=url + "/v1", api_key="wrong", max_retries=0)
-        with pytest.raises(openai.AuthenticationError):
-            bad.models.list()
-        good = openai.OpenAI(base_url=url + "/v1", api_key="sekrit", max_retries=0)
-        out = good.completions.create(
-            model="tiny", prompt="x", max_tokens=3, extra_body={"ignore_eos": True}
-        )
-        assert out.usage.completion_tokens == 3
-        assert httpx.get(url + "/health").status_code == 200  # open without a key
-        run = httpx.post(url + "/lab/api/run", json={"mode": "plain", "prompt": "x"})
-        assert run.status_code == 401
-
-
-def test_full_queue_answers_429(engine):
-    from understudy.server import create_app
-
-    gate = threading.Event()
-    slow = SlowEngine(engine, gate=gate)
-    app = create_app(slow, max_queue=1, model_name="tiny")
-    with serve_in_thread(app) as url:
-        client = openai.OpenAI(base_url=url + "/v1", api_key="x", max_retries=0, timeout=60)
-        results: list = []
-
-        def call() -> None:  # ignore_eos: a sampled EOS would end a request early, not lose it
-            extra = {"ignore_eos": True}
-            results.append(
-                client.completions.create(model="tiny", prompt="x", max_tokens=4, extra_body=extra)
-            )
-
-        running = threading.Thread(target=call)
-        running.start()
-        assert slow.started.wait(30)  # the worker is busy (held at the gate)
-        waiting = threading.Thread(target=call)
-        waiting.start()
-        deadline = time.monotonic() + 30
-        while httpx.get(url + "/health").json()["waiting"] < 1:
-            assert time.monotonic() < deadline
-            time.sleep(0.02)
-        with pytest.raises(openai.RateLimitError) as info:
-            client.completions.create(model="tiny", prompt="x", max_tokens=4)
-        assert "busy" in info.value.body["message"]
-        gate.set()
-        running.join(30)
-        waiting.join(30)
-        assert [r.usage.completion_tokens for r in results] == [4, 4]  # none lost
-
-
-@pytest.mark.parametrize("stream", [True, False])
-def test_client_disconnect_cancels_generation(engine, stream):
-    from understudy.server import create_app
-
-    slow = SlowEngine(engine, delay_s=0.005)  # 1500 tokens would take >= 7.5 s
-    app = create_app(slow, model_name="tiny")
-    body = {"model": "tiny", "prompt": "x", "max_tokens": 1500, "ignore_eos": True,
-            "temperature": 0, "stream": stream}  # fmt: skip
-    with serve_in_thread(app) as url:
-        t0 = time.monotonic()
-        if stream:
-            with httpx.stream("POST", url + "/v1/completions", json=body, timeout=30) as r:
-                next(r.iter_lines())  # one chunk arrives, then the client goes away
-        else:
-            with pytest.raises(httpx.ReadTimeout):
-                httpx.post(url + "/v1/completions", json=body, timeout=0.5)
-        assert slow.finished.wait(5), "the generation was not cancelled"
-        assert time.monotonic() - t0 < 5
-        assert slow.produced < 1500
-        # the engine is free again and answers the next request
-        client = openai.OpenAI(base_url=url + "/v1", api_key="x", max_retries=0, timeout=30)
-        slow.delay_s = 0.0
-        assert client.completions.create(model="tiny", prompt="y", max_tokens=3).usage
-
-
-class BrokenEngine(SlowEngine):
-    """An engine that fails in the middle of a generation."""
-
-    def stream(self, prompt, params):
-        inner = self._engine.stream(prompt, params)
-
-        def events():
-            yield next(iter(inner))
-            raise RuntimeError("the engine broke")
-
-        class Stream:
-            prompt_ids = inner.prompt_ids
-            output = None
-
-            def __iter__(self):
-                return events()
-
-        return Stream()
-
-
-def test_an_engine_failure_is_a_500_and_the_server_lives_on(engine):
-    from understudy.server import create_app
-
-    broken = BrokenEngine(engine)
-    with serve_in_thread(create_app(broken, model_name="tiny")) as url:
-        client = openai.OpenAI(base_url=url + "/v1", api_key="x", max_retries=0, timeout=30)
-        with pytest.raises(openai.InternalServerError):
-            client.completions.create(model="tiny", prompt="x", max_tokens=5)
-        with pytest.raises(openai.APIError, match="internal error"):  # an error event mid-stream
-            list(client.completions.create(model="tiny", prompt="x", stream=True))
-        broken.stream = engine.stream  # mended: the same server answers again
-        assert client.completions.create(model="tiny", prompt="x", max_tokens=2).usage
-
-
-@pytest.mark.parametrize("method", ["none", "ngram"])
-def test_the_lab_works_with_any_method(tiny_pair, method):
-    from understudy.drafters import DRAFTERS
-    from understudy.server import create_app
-
-    if method != "none" and method not in DRAFTERS:
-        pytest.skip(f"method {method!r} is not in this build")
-    engine = Engine.from_pretrained(
-        target=tiny_pair[0], method=method, dtype="float32", num_speculative_tokens=2
-    )
-    with serve_in_thread(create_app(engine, model_name="m")) as url:
-        assert httpx.get(url + "/lab/api/info").json()["method"] == method
-        plain, spec = lab_run(url, "plain", 16), lab_run(url, "spec", 16)
-        assert plain[-1]["stats"]["method"] == "none"
-        assert spec[-1]["stats"]["method"] == method
-        assert plain[-1]["token_ids"] == spec[-1]["token_ids"]  # greedy: lossless
-        assert engine.drafter is None or type(engine.drafter).__name__ != "RecordingDrafter"
