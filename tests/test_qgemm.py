@@ -102,19 +102,32 @@ def test_rows_are_bitwise_independent_of_call_size_and_threads() -> None:
         torch.set_num_threads(threads)
 
 
-def test_scalar_fallback_gives_the_same_bits() -> None:
-    """The portable C path (compiled without AVX2) computes the same integers and float
-    steps as the vector path: same bits."""
-    scalar = qgemm.load(("-O2", "-march=x86-64", "-fopenmp", "-ffp-contract=off"))
-    if scalar is None or scalar.understudy_qgemm_simd() != 0:
-        pytest.skip("no portable x86-64 build here")
-    x = torch.randn(6, 512)
-    for kind, _ in CASES:
-        weight = random_blocks(kind, 16, 512, seed=20)
+PORTABLE_BUILDS = {
+    "scalar": ("-O2", "-march=x86-64", "-fopenmp", "-ffp-contract=off"),
+    "avx2": ("-O3", "-march=haswell", "-fopenmp", "-ffp-contract=off"),
+}
+
+
+@pytest.mark.parametrize("build", sorted(PORTABLE_BUILDS))
+def test_every_instruction_set_gives_the_same_bits(build: str) -> None:
+    """The portable C path and the AVX2 path compute the same integers and float steps as
+    the path this CPU runs (AVX-512 where it has it): same bits, for every kernel type and
+    for groups of rows that do not fill a register group (1..11 rows)."""
+    other = qgemm.load(PORTABLE_BUILDS[build])
+    native = qgemm.load()
+    assert native is not None
+    if other is None or other.understudy_qgemm_simd() == native.understudy_qgemm_simd():
+        pytest.skip(f"no {build} build here, or it is what this CPU runs already")
+    for kind, block in CASES:
+        cols = 512 + (block if block == 32 else 0)  # an odd count of 32-value blocks too
+        weight = random_blocks(kind, 16, cols, seed=20)
         linear = qgemm.QuantLinear([weight], None)
-        vector = linear(x)
-        linear._fn = scalar.understudy_qgemm
-        assert torch.equal(linear(x), vector), kind.name
+        xs = torch.randn(11, cols) * torch.logspace(-2, 1, 11)[:, None]
+        for m in (1, 3, 8, 11):
+            vector = linear(xs[:m])
+            linear._fn = other.understudy_qgemm
+            assert torch.equal(linear(xs[:m]), vector), (kind.name, m)
+            linear._fn = native.understudy_qgemm
 
 
 def test_refuses_shapes_it_cannot_take() -> None:

@@ -37,11 +37,13 @@ def compile_shared(
     source: Path, folder: Path, flags: tuple[str, ...] = NATIVE_FLAGS
 ) -> Path | None:
     """`source` compiled with `flags` into folder/<stem>-<hash>.so (once); None when there is
-    no compiler or it fails."""
+    no compiler or it fails. The hash covers the headers beside `source` too."""
     cc = compiler()
     if cc is None:
         return None
     text = source.read_bytes()
+    for header in sorted(source.parent.glob("*.h")):  # what `#include "..."` may pull in
+        text += header.read_bytes()
     key = hashlib.sha256(
         text + cc.encode() + " ".join(flags).encode() + cpu_signature().encode()
     ).hexdigest()[:16]

@@ -34,6 +34,13 @@
 #else
 #define QG_AVX2 0
 #endif
+#if QG_AVX2 && defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+#define QG_AVX512 1
+#define QG_UNUSED_IN_AVX512 __attribute__((unused)) /* the AVX-512 path replaces it */
+#else
+#define QG_AVX512 0
+#define QG_UNUSED_IN_AVX512
+#endif
 
 /* ggml's type ids */
 #define T_Q5_0 6
@@ -45,6 +52,9 @@
 #define SERIAL_BELOW 4e6 /* multiply-adds: smaller calls run on one thread (no fork/join) */
 
 static float half_to_float(uint16_t h) {
+#if QG_AVX2 && defined(__F16C__)
+    return _cvtsh_ss(h); /* the same value, one instruction */
+#endif
     uint32_t sign = (uint32_t)(h & 0x8000) << 16, exp = (h >> 10) & 0x1f, man = h & 0x3ff, bits;
     if (exp == 0x1f) {
         bits = sign | 0x7f800000u | (man << 13);
@@ -211,7 +221,7 @@ static inline void kblock_finish(const kblock *u, int with_min, __m256i isum, co
 #endif
 
 /* One block of column n for rows 0..rows-1 of a tile: acc[r] += the block's 8 lanes. */
-static void kblock_rows(const kblock *u, int with_min, const int8_t *aq, const float *as,
+QG_UNUSED_IN_AVX512 static void kblock_rows(const kblock *u, int with_min, const int8_t *aq, const float *as,
                         const int16_t *ab, long K, long b, long rows, float (*acc)[8]) {
     long nb = K / 256, r = 0;
 #if QG_AVX2
@@ -261,27 +271,22 @@ static void kblock_rows(const kblock *u, int with_min, const int8_t *aq, const f
     }
 }
 
-/* ---- 32-value blocks: Q8_0, Q5_0 -------------------------------------------------------
- * Unpacked block: w[32] signed (Q8_0 as stored, Q5_0 q - 16), and d.
- * block = s * d * (w . a), exact int32 in 8 lanes. */
-typedef struct {
-    int8_t w[32];
-    uint8_t wabs[32];
-    float d;
-} block32;
+#define GROUP32 8 /* 32-value blocks decoded together: each row's lanes stay in registers */
 
-static void unpack_q8_0(const uint8_t *blk, block32 *u) {
-    u->d = half_to_float(read_u16(blk));
-    memcpy(u->w, blk + 2, 32);
+/* ---- 32-value blocks: Q8_0, Q5_0 -------------------------------------------------------
+ * Decoded block: w[32] signed (Q8_0 as stored, Q5_0 q - 16), and d.
+ * block = s * d * (w . a), exact int32 in 8 lanes. */
+static void unpack_q8_0(const uint8_t *blk, int8_t *w, float *d) {
+    *d = half_to_float(read_u16(blk));
+    memcpy(w, blk + 2, 32);
 }
 
-static void unpack_q5_0(const uint8_t *blk, block32 *u) {
-    u->d = half_to_float(read_u16(blk));
-    uint32_t qh = (uint32_t)blk[2] | ((uint32_t)blk[3] << 8) | ((uint32_t)blk[4] << 16) |
-                  ((uint32_t)blk[5] << 24);
-    const uint8_t *qs = blk + 6;
 #if QG_AVX2
-    __m128i v = _mm_loadu_si128((const __m128i *)qs), low = _mm_set1_epi8(0xf);
+/* A Q5_0 block's 32 values (q - 16, signed) in one register. */
+static inline __m256i decode_q5_0(const uint8_t *blk) {
+    uint32_t qh;
+    memcpy(&qh, blk + 2, 4);
+    __m128i v = _mm_loadu_si128((const __m128i *)(blk + 6)), low = _mm_set1_epi8(0xf);
     __m256i q = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(v, 4), low), _mm_and_si128(v, low));
     /* bit i of qh -> byte i: spread each byte of qh over 8 bytes, test one bit each */
     __m256i spread = _mm256_shuffle_epi8(
@@ -290,31 +295,27 @@ static void unpack_q5_0(const uint8_t *blk, block32 *u) {
     __m256i bit = _mm256_set1_epi64x((long long)0x8040201008040201ULL);
     __m256i set = _mm256_cmpeq_epi8(_mm256_and_si256(spread, bit), bit);
     q = _mm256_or_si256(q, _mm256_and_si256(set, _mm256_set1_epi8(0x10)));
-    _mm256_storeu_si256((__m256i *)u->w, _mm256_sub_epi8(q, _mm256_set1_epi8(16)));
+    return _mm256_sub_epi8(q, _mm256_set1_epi8(16));
+}
+#endif
+
+static void unpack_q5_0(const uint8_t *blk, int8_t *w, float *d) {
+    *d = half_to_float(read_u16(blk));
+#if QG_AVX2
+    _mm256_storeu_si256((__m256i *)w, decode_q5_0(blk));
 #else
+    uint32_t qh = (uint32_t)blk[2] | ((uint32_t)blk[3] << 8) | ((uint32_t)blk[4] << 16) |
+                  ((uint32_t)blk[5] << 24);
+    const uint8_t *qs = blk + 6;
     for (int i = 0; i < 32; ++i) {
         int lo = i < 16 ? (qs[i] & 0xf) : (qs[i - 16] >> 4);
-        u->w[i] = (int8_t)((lo | (((qh >> i) & 1) << 4)) - 16);
+        w[i] = (int8_t)((lo | (((qh >> i) & 1) << 4)) - 16);
     }
 #endif
 }
 
-/* |w| as unsigned bytes (-128 -> 128: maddubs reads it unsigned) */
-static void block32_abs(block32 *u) {
-#if QG_AVX2
-    _mm256_storeu_si256((__m256i *)u->wabs,
-                        _mm256_abs_epi8(_mm256_loadu_si256((const __m256i *)u->w)));
-#else
-    for (int i = 0; i < 32; ++i) u->wabs[i] = (uint8_t)(u->w[i] < 0 ? -(int)u->w[i] : u->w[i]);
-#endif
-}
-
-#define GROUP32 8 /* 32-value blocks unpacked together: each row's lanes stay in registers */
-
-/* Blocks b..b+g-1 (g <= GROUP32) of column n for rows 0..rows-1: acc[r] += their lanes, in
- * block order. */
-static void block32_rows(const block32 *u, long g, const int8_t *aq, const float *as, long K,
-                         long b, long rows, float (*acc)[8]) {
+QG_UNUSED_IN_AVX512 static void block32_rows(const int8_t *w, const float *d, long g, const int8_t *aq,
+                         const float *as, long K, long b, long rows, float (*acc)[8]) {
     long nb = K / 32;
     for (long r = 0; r < rows; ++r) {
         const int8_t *a = aq + r * K + b * 32;
@@ -322,20 +323,20 @@ static void block32_rows(const block32 *u, long g, const int8_t *aq, const float
 #if QG_AVX2
         __m256 v = _mm256_loadu_ps(acc[r]);
         for (long j = 0; j < g; ++j) {
-            __m256i w = _mm256_loadu_si256((const __m256i *)u[j].w);
-            __m256i wa = _mm256_loadu_si256((const __m256i *)u[j].wabs);
-            __m256i x = _mm256_sign_epi8(_mm256_loadu_si256((const __m256i *)(a + 32 * j)), w);
-            __m256i p = _mm256_maddubs_epi16(wa, x); /* exact: |pair| <= 2*128*127 */
+            __m256i wv = _mm256_loadu_si256((const __m256i *)(w + 32 * j));
+            __m256i x = _mm256_sign_epi8(_mm256_loadu_si256((const __m256i *)(a + 32 * j)), wv);
+            /* |w| read unsigned (-128 -> 128); exact: |pair| <= 2*128*127 */
+            __m256i p = _mm256_maddubs_epi16(_mm256_abs_epi8(wv), x);
             __m256i isum = _mm256_madd_epi16(p, _mm256_set1_epi16(1));
-            v = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), _mm256_set1_ps(s[j] * u[j].d), v);
+            v = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), _mm256_set1_ps(s[j] * d[j]), v);
         }
         _mm256_storeu_ps(acc[r], v);
 #else
         for (long j = 0; j < g; ++j)
             for (int l = 0; l < 8; ++l) {
                 int32_t isum = 0;
-                for (int e = 4 * l; e < 4 * l + 4; ++e) isum += u[j].w[e] * a[32 * j + e];
-                acc[r][l] = fmaf((float)isum, s[j] * u[j].d, acc[r][l]);
+                for (int e = 4 * l; e < 4 * l + 4; ++e) isum += w[32 * j + e] * a[32 * j + e];
+                acc[r][l] = fmaf((float)isum, s[j] * d[j], acc[r][l]);
             }
 #endif
     }
@@ -361,21 +362,33 @@ static long block_bytes(int type) {
     }
 }
 
+#if QG_AVX512
+#include "qgemm_avx512.h"
+#endif
+
 /* Columns n0..n1-1 for rows m0..m0+rows-1 (rows <= TILE). */
 static void columns(int type, const uint8_t *w, long row_bytes, const int8_t *aq,
                     const float *as, const int16_t *ab, const float *bias, float *y, long ldy,
                     long m0, long rows, long K, long n0, long n1) {
-    long bsize = block_size(type), nb = K / bsize, bbytes = block_bytes(type);
-    float acc[TILE][8];
-    kblock ku;
-    block32 bu[GROUP32];
+    long bsize = block_size(type), nb = K / bsize;
+    QG_UNUSED_IN_AVX512 long bbytes = block_bytes(type);
+    QG_UNUSED_IN_AVX512 float acc[TILE][8];
     const int8_t *a = aq + m0 * K;
     const float *s = as + m0 * nb;
     const int16_t *bs = ab + m0 * (K / 16);
     for (long n = n0; n < n1; ++n) {
         const uint8_t *row = w + n * row_bytes;
-        memset(acc, 0, sizeof(float) * 8 * rows);
+        float out[TILE];
         if (type == T_Q4_K || type == T_Q6_K) {
+#if QG_AVX512
+            for (long g = 0; g < rows; g += GROUP_ROWS) {
+                long R = rows - g < GROUP_ROWS ? rows - g : GROUP_ROWS;
+                kquant_rows512(type == T_Q4_K, row, nb, a + g * K, s + g * nb,
+                               bs + g * (K / 16), K, R, out + g);
+            }
+#else
+            kblock ku;
+            memset(acc, 0, sizeof(float) * 8 * rows);
             for (long b = 0; b < nb; ++b) {
                 if (type == T_Q4_K)
                     unpack_q4_k(row + b * bbytes, &ku);
@@ -383,23 +396,32 @@ static void columns(int type, const uint8_t *w, long row_bytes, const int8_t *aq
                     unpack_q6_k(row + b * bbytes, &ku);
                 kblock_rows(&ku, type == T_Q4_K, a, s, bs, K, b, rows, acc);
             }
+            for (long r = 0; r < rows; ++r) out[r] = lanes_sum(acc[r]);
+#endif
         } else {
+#if QG_AVX512
+            for (long g = 0; g < rows; g += GROUP_ROWS) {
+                long R = rows - g < GROUP_ROWS ? rows - g : GROUP_ROWS;
+                block32_rows512(type == T_Q8_0, row, nb, a + g * K, s + g * nb, K, R, out + g);
+            }
+#else
+            int8_t bw[GROUP32 * 32];
+            float bd[GROUP32];
+            memset(acc, 0, sizeof(float) * 8 * rows);
             for (long b = 0; b < nb; b += GROUP32) {
                 long g = nb - b < GROUP32 ? nb - b : GROUP32;
                 for (long j = 0; j < g; ++j) {
                     if (type == T_Q8_0)
-                        unpack_q8_0(row + (b + j) * bbytes, &bu[j]);
+                        unpack_q8_0(row + (b + j) * bbytes, bw + 32 * j, bd + j);
                     else
-                        unpack_q5_0(row + (b + j) * bbytes, &bu[j]);
-                    block32_abs(&bu[j]);
+                        unpack_q5_0(row + (b + j) * bbytes, bw + 32 * j, bd + j);
                 }
-                block32_rows(bu, g, a, s, K, b, rows, acc);
+                block32_rows(bw, bd, g, a, s, K, b, rows, acc);
             }
+            for (long r = 0; r < rows; ++r) out[r] = lanes_sum(acc[r]);
+#endif
         }
-        for (long r = 0; r < rows; ++r) {
-            float v = lanes_sum(acc[r]);
-            y[(m0 + r) * ldy + n] = bias ? v + bias[n] : v;
-        }
+        for (long r = 0; r < rows; ++r) y[(m0 + r) * ldy + n] = bias ? out[r] + bias[n] : out[r];
     }
 }
 
@@ -453,7 +475,8 @@ int understudy_qdequant_rows(int type, const uint8_t *w, long row_bytes, const l
     long bsize = block_size(type), bbytes = block_bytes(type);
     if (bbytes == 0 || K % bsize != 0) return -1;
     kblock ku;
-    block32 bu;
+    int8_t bw[32];
+    float bd;
     for (long r = 0; r < R; ++r) {
         const uint8_t *row = w + index[r] * row_bytes;
         float *o = out + r * K;
@@ -471,14 +494,15 @@ int understudy_qdequant_rows(int type, const uint8_t *w, long row_bytes, const l
                     ob[e] = ku.d * (float)(ku.mn[e / 16] / 32) * (float)(ku.q[e] - 32);
             } else {
                 if (type == T_Q8_0)
-                    unpack_q8_0(blk, &bu);
+                    unpack_q8_0(blk, bw, &bd);
                 else
-                    unpack_q5_0(blk, &bu);
-                for (int e = 0; e < 32; ++e) ob[e] = bu.d * (float)bu.w[e];
+                    unpack_q5_0(blk, bw, &bd);
+                for (int e = 0; e < 32; ++e) ob[e] = bd * (float)bw[e];
             }
         }
     }
     return 0;
 }
 
-int understudy_qgemm_simd(void) { return QG_AVX2; }
+/* 0: portable C, 1: AVX2, 2: AVX-512 */
+int understudy_qgemm_simd(void) { return QG_AVX512 ? 2 : QG_AVX2; }
