@@ -89,3 +89,16 @@ def tiny_pair(tmp_path_factory) -> tuple[str, str]:
 @pytest.fixture(scope="session")
 def tiny_pair_no_tokenizer(tmp_path_factory) -> tuple[str, str]:
     return make_tiny_pair(tmp_path_factory.mktemp("tiny_notok"), seed=1, tokenizer=False)
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_pair):
+    """The tiny pair as an engine, one per test module: method draft, K = 2 (float32 CPU
+    passes hold 3 rows, so greedy output stays exact). A module that needs another engine
+    defines its own `engine` fixture."""
+    from understudy.engine.engine import Engine
+
+    target, draft = tiny_pair
+    return Engine.from_pretrained(
+        target=target, draft=draft, dtype="float32", num_speculative_tokens=2
+    )

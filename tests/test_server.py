@@ -1,8 +1,9 @@
 """The OpenAI-compatible server, end to end, with the official `openai` client.
 
 Every test talks to one real `understudy serve` process on loopback (tiny models); the tests
-that hold the engine busy or watch it are in test_server_inprocess.py. The last test stops
-the server with SIGTERM while a request streams, and checks that the request finishes first.
+that hold the engine busy or watch it serve the app on a thread of this process
+(test_server_inprocess.py, test_server_limits.py). The last test stops the server with
+SIGTERM while a request streams, and checks that the request finishes first.
 """
 
 from __future__ import annotations

@@ -57,14 +57,6 @@ def client(server):
     return openai.OpenAI(base_url=server.url + "/v1", api_key="x", max_retries=0, timeout=60)
 
 
-@pytest.fixture(scope="module")
-def engine(tiny_pair):
-    target, draft = tiny_pair
-    return Engine.from_pretrained(
-        target=target, draft=draft, dtype="float32", num_speculative_tokens=2
-    )
-
-
 def refused(call) -> openai.APIStatusError:
     with pytest.raises(openai.APIStatusError) as info:
         call()

@@ -1,12 +1,11 @@
-"""The server around a wrapped engine, served on a thread of this process (tiny models): the
-tests that hold the engine busy or watch it. The API key on /v1, a full queue's 429, a client
-that disconnects cancelling its generation, an engine failure that is a 500 while the server
-lives on, and the Lab over any method.
+"""The server around a wrapped engine, served on a thread of this process (tiny models): a
+client that disconnects cancels its generation, an engine failure is a 500 and the server
+lives on, and the Lab works over any method. The API key and the queue are in
+test_server_limits.py.
 """
 
 from __future__ import annotations
 
-import threading
 import time
 
 import httpx
@@ -15,71 +14,6 @@ import pytest
 
 from server_helpers import SlowEngine, lab_run, serve_in_thread
 from understudy.engine.engine import Engine
-
-
-@pytest.fixture(scope="module")
-def engine(tiny_pair):
-    target, draft = tiny_pair
-    return Engine.from_pretrained(
-        target=target, draft=draft, dtype="float32", num_speculative_tokens=2
-    )
-
-
-def test_api_key(engine):
-    from understudy.server import create_app
-
-    app = create_app(engine, api_key="sekrit", model_name="tiny")
-    with serve_in_thread(app) as url:
-        for key in ("wrong", None):
-            headers = {"Authorization": f"Bearer {key}"} if key else {}
-            response = httpx.post(url + "/v1/completions", content=b"{not json", headers=headers)
-            assert response.status_code == 401
-            assert response.json()["error"]["type"] == "authentication_error"
-        bad = openai.OpenAI(base_url=url + "/v1", api_key="wrong", max_retries=0)
-        with pytest.raises(openai.AuthenticationError):
-            bad.models.list()
-        good = openai.OpenAI(base_url=url + "/v1", api_key="sekrit", max_retries=0)
-        out = good.completions.create(
-            model="tiny", prompt="x", max_tokens=3, extra_body={"ignore_eos": True}
-        )
-        assert out.usage.completion_tokens == 3
-        assert httpx.get(url + "/health").status_code == 200  # open without a key
-        run = httpx.post(url + "/lab/api/run", json={"mode": "plain", "prompt": "x"})
-        assert run.status_code == 401
-
-
-def test_full_queue_answers_429(engine):
-    from understudy.server import create_app
-
-    gate = threading.Event()
-    slow = SlowEngine(engine, gate=gate)
-    app = create_app(slow, max_queue=1, model_name="tiny")
-    with serve_in_thread(app) as url:
-        client = openai.OpenAI(base_url=url + "/v1", api_key="x", max_retries=0, timeout=60)
-        results: list = []
-
-        def call() -> None:  # ignore_eos: a sampled EOS would end a request early, not lose it
-            extra = {"ignore_eos": True}
-            results.append(
-                client.completions.create(model="tiny", prompt="x", max_tokens=4, extra_body=extra)
-            )
-
-        running = threading.Thread(target=call)
-        running.start()
-        assert slow.started.wait(30)  # the worker is busy (held at the gate)
-        waiting = threading.Thread(target=call)
-        waiting.start()
-        deadline = time.monotonic() + 30
-        while httpx.get(url + "/health").json()["waiting"] < 1:
-            assert time.monotonic() < deadline
-            time.sleep(0.02)
-        with pytest.raises(openai.RateLimitError) as info:
-            client.completions.create(model="tiny", prompt="x", max_tokens=4)
-        assert "busy" in info.value.body["message"]
-        gate.set()
-        running.join(30)
-        waiting.join(30)
-        assert [r.usage.completion_tokens for r in results] == [4, 4]  # none lost
 
 
 @pytest.mark.parametrize("stream", [True, False])

@@ -1,6 +1,6 @@
 """The server's limits, through a real HTTP server: the API key (what it guards, which keys
 it refuses at start), the time a connection may take for its head and body, idle
-connections, and the queue, which forgets a client that has gone.
+connections, and the queue (full: a 429; a queued client that has gone leaves it).
 """
 
 from __future__ import annotations
@@ -10,22 +10,14 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 
 import httpx
 import openai
 import pytest
 
 from server_helpers import ROOT, SlowEngine, free_port, serve_in_thread
-from understudy.engine.engine import Engine
-
-
-@pytest.fixture(scope="module")
-def engine(tiny_pair):
-    target, draft = tiny_pair
-    return Engine.from_pretrained(
-        target=target, draft=draft, dtype="float32", num_speculative_tokens=2
-    )
-
 
 # --- the API key --------------------------------------------------------------------------
 
@@ -48,6 +40,29 @@ def test_the_key_guards_metrics_and_the_lab_api(engine):
             spec = httpx.get(url + "/openapi.json").json()["paths"]
             assert "401" in spec["/v1/completions"]["post"]["responses"]
             assert ("401" in spec["/metrics"]["get"]["responses"]) is not public
+
+
+def test_the_key_guards_v1(engine):
+    from understudy.server import create_app
+
+    app = create_app(engine, api_key="sekrit", model_name="tiny")
+    with serve_in_thread(app) as url:
+        for key in ("wrong", None):
+            headers = {"Authorization": f"Bearer {key}"} if key else {}
+            response = httpx.post(url + "/v1/completions", content=b"{not json", headers=headers)
+            assert response.status_code == 401
+            assert response.json()["error"]["type"] == "authentication_error"
+        bad = openai.OpenAI(base_url=url + "/v1", api_key="wrong", max_retries=0)
+        with pytest.raises(openai.AuthenticationError):
+            bad.models.list()
+        good = openai.OpenAI(base_url=url + "/v1", api_key="sekrit", max_retries=0)
+        out = good.completions.create(
+            model="tiny", prompt="x", max_tokens=3, extra_body={"ignore_eos": True}
+        )
+        assert out.usage.completion_tokens == 3
+        assert httpx.get(url + "/health").status_code == 200  # open without a key
+        run = httpx.post(url + "/lab/api/run", json={"mode": "plain", "prompt": "x"})
+        assert run.status_code == 401
 
 
 def test_a_key_no_client_can_send_is_refused_at_start(engine):
@@ -118,10 +133,25 @@ def test_serve_help_states_the_timeouts():
         assert flag in done.stdout, flag
 
 
-# --- the queue forgets a client that has gone --------------------------------------------
+# --- the queue: one request runs, max_queue more wait, a client that has gone leaves -------
 
 
-def test_a_queued_request_whose_client_goes_leaves_the_queue(engine):
+def waiting(url: str) -> int:
+    return httpx.get(url + "/health").json()["waiting"]
+
+
+def wait_for(url: str, count: int) -> None:
+    deadline = time.monotonic() + 30
+    while waiting(url) != count:
+        assert time.monotonic() < deadline, f"waiting stayed {waiting(url)}, not {count}"
+        time.sleep(0.02)
+
+
+@contextmanager
+def one_running_at_most_one_waiting(engine) -> Iterator[tuple[str, openai.OpenAI, Callable]]:
+    """A server with max_queue=1 whose worker holds one request at a gate; yields its URL, a
+    client and `call()`, which starts another 4-token request on a thread. On leaving, the
+    gate opens and every request started by `call` must have its 4 tokens: none lost."""
     from understudy.server import create_app
 
     gate = threading.Event()
@@ -130,39 +160,49 @@ def test_a_queued_request_whose_client_goes_leaves_the_queue(engine):
     with serve_in_thread(app) as url:
         client = openai.OpenAI(base_url=url + "/v1", api_key="x", max_retries=0, timeout=60)
         results: list = []
+        threads: list[threading.Thread] = []
 
-        def call() -> None:
-            results.append(
-                client.completions.create(
-                    model="tiny", prompt="x", max_tokens=4, extra_body={"ignore_eos": True}
+        def call() -> None:  # ignore_eos: a sampled EOS would end a request early, not lose it
+            def run() -> None:
+                extra = {"ignore_eos": True}
+                out = client.completions.create(
+                    model="tiny", prompt="x", max_tokens=4, extra_body=extra
                 )
-            )
+                results.append(out)
 
-        def waiting() -> int:
-            return httpx.get(url + "/health").json()["waiting"]
+            threads.append(threading.Thread(target=run))
+            threads[-1].start()
 
-        def wait_for(count: int) -> None:
-            deadline = time.monotonic() + 30
-            while waiting() != count:
-                assert time.monotonic() < deadline, f"waiting stayed {waiting()}, not {count}"
-                time.sleep(0.02)
+        call()
+        try:
+            assert slow.started.wait(30)  # the worker is busy (held at the gate)
+            yield url, client, call
+        finally:
+            gate.set()
+            for thread in threads:
+                thread.join(60)
+        assert [r.usage.completion_tokens for r in results] == [4] * len(threads)
 
-        running = threading.Thread(target=call)
-        running.start()
-        assert slow.started.wait(30)  # the worker is held at the gate
+
+def test_full_queue_answers_429(engine):
+    with one_running_at_most_one_waiting(engine) as (url, client, call):
+        call()
+        wait_for(url, 1)
+        with pytest.raises(openai.RateLimitError) as info:
+            client.completions.create(model="tiny", prompt="x", max_tokens=4)
+        assert "busy" in info.value.body["message"]
+
+
+def test_a_queued_request_whose_client_goes_leaves_the_queue(engine):
+    with one_running_at_most_one_waiting(engine) as (url, client, call):
         body = b'{"model": "tiny", "prompt": "x", "max_tokens": 4}'
         gone = socket.create_connection(("127.0.0.1", int(url.rsplit(":", 1)[1])))
         gone.sendall(
             b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
             b"Content-Length: %d\r\n\r\n%s" % (len(body), body)
         )
-        wait_for(1)
+        wait_for(url, 1)
         gone.close()  # the queued request's client goes away
-        wait_for(0)  # its place is free at once, while the worker is still held
-        queued = threading.Thread(target=call)
-        queued.start()  # admitted, not a 429
-        wait_for(1)
-        gate.set()
-        running.join(60)
-        queued.join(60)
-        assert [r.usage.completion_tokens for r in results] == [4, 4]
+        wait_for(url, 0)  # its place is free at once, while the worker is still held
+        call()  # admitted, not a 429
+        wait_for(url, 1)
