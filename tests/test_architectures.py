@@ -10,11 +10,14 @@ past them):
    difference is allowed only where transformers' own top two logits are a near-tie;
 3. speculative: greedy method="ngram" and method="draft" (a noisy copy as draft) == plain,
    bit for bit, with row-invariant kernels and with padded passes (split attention);
-4. refusals: recurrent and unknown architectures are refused with a one-line reason.
+4. refusals: recurrent and unknown architectures are refused with a one-line reason;
+5. context: "dynamic" and "longrope" ropes end the engine's context where transformers
+   switches their frequencies (models/rope.py), exact up to there.
 """
 
 from __future__ import annotations
 
+import warnings
 from pathlib import Path
 
 import pytest
@@ -22,6 +25,7 @@ import torch
 import transformers
 
 from understudy import Engine, SamplingParams
+from understudy.config import UnderstudyError
 from understudy.models.convert import UnsupportedArchitecture, config_from_hf, convert_state_dict
 from understudy.models.loader import _build
 from understudy.models.rope import RopeScaling, rope_frequencies
@@ -118,11 +122,12 @@ def one_thread():
     torch.set_num_threads(threads)
 
 
-def make_hf(name: str, seed: int = 0) -> transformers.PreTrainedModel:
-    """A tiny random model of `name`, with weights spread enough that the next-token
-    distribution is peaked and varies with the input (random init alone is near uniform)."""
+def make_hf(name: str, seed: int = 0, **overrides: object) -> transformers.PreTrainedModel:
+    """A tiny random model of `name` (`overrides`: config fields set apart from its entry),
+    with weights spread enough that the next-token distribution is peaked and varies with
+    the input (random init alone is near uniform)."""
     cls, extra = ARCHITECTURES[name]
-    config = getattr(transformers, cls)(**{**BASE, **extra})
+    config = getattr(transformers, cls)(**{**BASE, **extra, **overrides})
     torch.manual_seed(seed)
     model = transformers.AutoModelForCausalLM.from_config(config).float().eval()
     with torch.no_grad():
@@ -260,6 +265,53 @@ def test_context_dependent_ropes_record_their_exact_context():
     switches frequencies; the model says up to where."""
     for name, limit in (("llama-dynamic", 256), ("phi3-longrope", 256), ("llama3", None)):
         assert ours(make_hf(name)).exact_context == limit, name
+
+
+@pytest.mark.parametrize("name", ["llama-dynamic", "phi3-longrope"])
+def test_the_context_ends_where_the_rope_switches(name, tmp_path):
+    """The engine's context is lowered to the switch length L = 256 (models/rope.py), with a
+    warning naming it. Up to L our logits are transformers' forward over all L tokens; over
+    a longer sequence transformers changes the frequencies of every position. Greedy
+    speculative decoding equals plain decoding up to the end of that context, and a longer
+    prompt is refused naming L."""
+    limit = 256
+    hf = make_hf(name)
+    tokens = torch.randint(3, VOCAB, (2 * limit,), generator=torch.Generator().manual_seed(3))
+    got = Runner(ours(hf), 2 * limit).extend(tokens)[:limit]  # [L, V]
+    with torch.no_grad():
+        within = hf(tokens[None, :limit]).logits[0]  # [L, V]
+        past = hf(tokens[None]).logits[0, :limit]  # [L, V]: a pass past the switch
+    tolerance = 1e-4 * float(within.abs().max())
+    torch.testing.assert_close(got, within, rtol=1e-4, atol=tolerance)
+    assert float((got - past).abs().max()) > 10 * tolerance
+
+    hf.save_pretrained(tmp_path)
+    with pytest.warns(UserWarning, match=f"max_context lowered from 4096 to {limit} tokens"):
+        spec = Engine.from_pretrained(
+            target=str(tmp_path), method="ngram", dtype="float32", num_speculative_tokens=4
+        )
+    plain = spec.with_method("none")
+    assert spec.max_context == plain.max_context == limit
+    prompt = (PROMPT[:5] * 40)[:200]  # repeats itself: n-grams match
+    to_the_end = SamplingParams(max_tokens=1000, temperature=0.0, ignore_eos=True)
+    want = plain.generate(prompt, to_the_end).token_ids
+    assert len(want) == limit - len(prompt)
+    out = spec.generate(prompt, to_the_end)
+    assert out.token_ids == want and out.stats.accepted > 0
+    with pytest.raises(UnderstudyError, match=f"the context holds {limit}"):
+        spec.generate([5] * limit, GREEDY)
+
+
+def test_a_context_within_the_switch_is_kept(tmp_path):
+    """max_context at or under the switch length, or a rope without one: no change."""
+    for name, context in (("llama-dynamic", 200), ("llama3", 4096)):
+        make_hf(name).save_pretrained(tmp_path / name)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            engine = Engine.from_pretrained(
+                target=str(tmp_path / name), method="none", dtype="float32", max_context=context
+            )
+        assert engine.max_context == context, name
 
 
 # -- refusals ---------------------------------------------------------------------------------

@@ -150,7 +150,11 @@ class DraftModelProposer(DoubtRules):
         return float(probs[0, token[0]])
 
     def _catch_up(self, tokens: list[int]) -> torch.Tensor:
-        """Feed the tokens the draft has not seen; return its logits after tokens[-1] [1, V]."""
+        """Feed the tokens the draft has not seen; return its logits after tokens[-1] [1, V].
+        At least tokens[-1] is fed again: a round's last token may equal a guess the draft
+        fed already (a verifier that resamples a rejected guess from p may redraw it), and
+        the draft then holds that token's keys but not its logits."""
+        self.runner.truncate(min(self.runner.length, len(tokens) - 1))
         unseen = tokens[self.runner.length :]
         logits = self.runner.extend(torch.tensor(unseen, device=self.runner.model.device), True)
         self.fed = tokens[: self.runner.length]

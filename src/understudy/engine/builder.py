@@ -13,7 +13,7 @@ one frozen value (policy/costs.py).
 from __future__ import annotations
 
 import warnings
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -251,10 +251,31 @@ def target_runner(target: LoadedModel, spec: EngineSpec) -> tuple[Runner, bool]:
     return Runner(model, spec.max_context, rows=rows, pad=pad), exact
 
 
+def within_exact_rope(target: LoadedModel, spec: EngineSpec) -> EngineSpec:
+    """`spec` with max_context lowered, with a warning, to the length up to which the
+    target's rope is transformers' own in every pass (Transformer.exact_context): "dynamic"
+    and "longrope" switch frequencies with the sequence's length past it, which no KV cache
+    follows exactly (models/rope.py says why). Unchanged where the rope has no such length."""
+    model = target.model
+    limit = model.exact_context if isinstance(model, Transformer) else None
+    if limit is None or spec.max_context <= limit:
+        return spec
+    scaling = model.cfg.rope_scaling
+    assert scaling is not None  # only a scaled rope has a limit
+    warnings.warn(
+        f"max_context lowered from {spec.max_context} to {limit} tokens: {target.name!r} uses "
+        f"{scaling.kind!r} rope scaling, whose frequencies change past {limit} tokens, and a "
+        "KV cache cannot follow that exactly",
+        stacklevel=4,
+    )
+    return replace(spec, max_context=limit)
+
+
 def assemble(models: LoadedModels, spec: EngineSpec, draft: str | None = None) -> EngineParts:
     """Loaded models -> the parts of a ready engine. `draft`: for a drafter whose `draft=`
     names a trained head's folder (eagle), that folder."""
     target = models.target
+    spec = within_exact_rope(target, spec)
     runner, exact = target_runner(target, spec)
     drafter_cls = spec.drafter
     drafter: Drafter | None = None

@@ -7,13 +7,20 @@ transformers' `modeling_rope_utils` (Su et al. 2021 RoFormer; Peng et al. 2023 Y
 al. 2024 LongRoPE; Meta's Llama 3.1 scaling), operation by operation in float32, so the
 frequencies are those of the reference implementation.
 
-Two schemes depend on the length of the sequence in transformers: "dynamic" (NTK) stretches
-the base once a pass reaches past `max_position_embeddings`, and "longrope" switches from the
-short to the long factors once it reaches past `original_max_position_embeddings`. Their
-frequencies then depend on the pass, not on the position, which no KV cache can honour
-exactly (keys cached under one set would be read under another). Below that length both are
-a fixed set of frequencies, which is what is built here; `exact_positions` records the
-length up to which the result is transformers' own.
+Two schemes depend on the length of the sequence in transformers. "dynamic" (NTK) recomputes
+the base from the length of each forward pass (its largest position + 1) once that passes
+`max_position_embeddings`; "longrope" takes the long factors instead of the short ones for a
+whole pass once it reaches past `original_max_position_embeddings`. Past that length the
+frequencies belong to the pass, not to the position, and there is no single answer to be
+exact to: transformers' own generate() keeps the keys it cached under the earlier frequencies
+and rotates new ones under the later, while its forward over the same tokens rotates all of
+them under the later; and a verification pass of K+1 rows would see another length than
+plain decoding's one-row pass, so speculative output would stop being plain decoding's.
+Below that length every pass of either scheme uses one fixed set of frequencies (plain rope
+for "dynamic", the short factors for "longrope"), which is what is built here, and all those
+paths agree. So `exact_positions` records that length, and the engine's context ends there
+(engine/builder.py lowers max_context to it, with a warning naming it): a context that would
+cross the switch is not decoded at all, rather than decoded unlike transformers.
 """
 
 from __future__ import annotations
