@@ -221,7 +221,7 @@ static inline void kblock_finish(const kblock *u, int with_min, __m256i isum, co
 #endif
 
 /* One block of column n for rows 0..rows-1 of a tile: acc[r] += the block's 8 lanes. */
-QG_UNUSED_IN_AVX512 static void kblock_rows(const kblock *u, int with_min, const int8_t *aq, const float *as,
+static void kblock_rows(const kblock *u, int with_min, const int8_t *aq, const float *as,
                         const int16_t *ab, long K, long b, long rows, float (*acc)[8]) {
     long nb = K / 256, r = 0;
 #if QG_AVX2
@@ -314,7 +314,7 @@ static void unpack_q5_0(const uint8_t *blk, int8_t *w, float *d) {
 #endif
 }
 
-QG_UNUSED_IN_AVX512 static void block32_rows(const int8_t *w, const float *d, long g, const int8_t *aq,
+static void block32_rows(const int8_t *w, const float *d, long g, const int8_t *aq,
                          const float *as, long K, long b, long rows, float (*acc)[8]) {
     long nb = K / 32;
     for (long r = 0; r < rows; ++r) {
@@ -350,6 +350,8 @@ static float lanes_sum(const float v[8]) {
     return (s0 + s2) + (s1 + s3);
 }
 
+static size_t round_up(size_t n, size_t to) { return (n + to - 1) / to * to; }
+
 static long block_size(int type) { return type == T_Q4_K || type == T_Q6_K ? 256 : 32; }
 
 static long block_bytes(int type) {
@@ -367,12 +369,12 @@ static long block_bytes(int type) {
 #endif
 
 /* Columns n0..n1-1 for rows m0..m0+rows-1 (rows <= TILE). */
-static void columns(int type, const uint8_t *w, long row_bytes, const int8_t *aq,
+QG_UNUSED_IN_AVX512 static void columns(int type, const uint8_t *w, long row_bytes, const int8_t *aq,
                     const float *as, const int16_t *ab, const float *bias, float *y, long ldy,
                     long m0, long rows, long K, long n0, long n1) {
     long bsize = block_size(type), nb = K / bsize;
-    QG_UNUSED_IN_AVX512 long bbytes = block_bytes(type);
-    QG_UNUSED_IN_AVX512 float acc[TILE][8];
+    long bbytes = block_bytes(type);
+    float acc[TILE][8];
     const int8_t *a = aq + m0 * K;
     const float *s = as + m0 * nb;
     const int16_t *bs = ab + m0 * (K / 16);
@@ -380,13 +382,6 @@ static void columns(int type, const uint8_t *w, long row_bytes, const int8_t *aq
         const uint8_t *row = w + n * row_bytes;
         float out[TILE];
         if (type == T_Q4_K || type == T_Q6_K) {
-#if QG_AVX512
-            for (long g = 0; g < rows; g += GROUP_ROWS) {
-                long R = rows - g < GROUP_ROWS ? rows - g : GROUP_ROWS;
-                kquant_rows512(type == T_Q4_K, row, nb, a + g * K, s + g * nb,
-                               bs + g * (K / 16), K, R, out + g);
-            }
-#else
             kblock ku;
             memset(acc, 0, sizeof(float) * 8 * rows);
             for (long b = 0; b < nb; ++b) {
@@ -397,14 +392,7 @@ static void columns(int type, const uint8_t *w, long row_bytes, const int8_t *aq
                 kblock_rows(&ku, type == T_Q4_K, a, s, bs, K, b, rows, acc);
             }
             for (long r = 0; r < rows; ++r) out[r] = lanes_sum(acc[r]);
-#endif
         } else {
-#if QG_AVX512
-            for (long g = 0; g < rows; g += GROUP_ROWS) {
-                long R = rows - g < GROUP_ROWS ? rows - g : GROUP_ROWS;
-                block32_rows512(type == T_Q8_0, row, nb, a + g * K, s + g * nb, K, R, out + g);
-            }
-#else
             int8_t bw[GROUP32 * 32];
             float bd[GROUP32];
             memset(acc, 0, sizeof(float) * 8 * rows);
@@ -419,7 +407,6 @@ static void columns(int type, const uint8_t *w, long row_bytes, const int8_t *aq
                 block32_rows(bw, bd, g, a, s, K, b, rows, acc);
             }
             for (long r = 0; r < rows; ++r) out[r] = lanes_sum(acc[r]);
-#endif
         }
         for (long r = 0; r < rows; ++r) y[(m0 + r) * ldy + n] = bias ? out[r] + bias[n] : out[r];
     }
@@ -438,9 +425,10 @@ int understudy_qgemm(int type, const float *x, const uint8_t *w, long row_bytes,
     if (M <= 0 || N <= 0) return 0;
     if (threads < 1 || (double)M * K * N < SERIAL_BELOW) threads = 1;
     long nb = K / bsize;
-    int8_t *aq = malloc((size_t)(M * K));
-    float *as = malloc(sizeof(float) * (size_t)(M * nb));
-    int16_t *ab = malloc(sizeof(int16_t) * (size_t)(M * (K / 16)));
+    /* 64-byte aligned: a row's 512-bit loads never straddle two cache lines */
+    int8_t *aq = aligned_alloc(64, round_up((size_t)(M * K), 64));
+    float *as = aligned_alloc(64, round_up(sizeof(float) * (size_t)(M * nb), 64));
+    int16_t *ab = aligned_alloc(64, round_up(sizeof(int16_t) * (size_t)(M * (K / 16)), 64));
     if (!aq || !as || !ab) {
         free(aq);
         free(as);
@@ -458,10 +446,14 @@ int understudy_qgemm(int type, const float *x, const uint8_t *w, long row_bytes,
         nt = omp_get_num_threads();
 #endif
         long n0 = N * t / nt, n1 = N * (t + 1) / nt;
+#if QG_AVX512
+        columns512(type, w, row_bytes, aq, as, ab, bias, y, ldy, M, K, n0, n1);
+#else
         for (long m0 = 0; m0 < M; m0 += TILE) {
             long rows = M - m0 < TILE ? M - m0 : TILE;
             columns(type, w, row_bytes, aq, as, ab, bias, y, ldy, m0, rows, K, n0, n1);
         }
+#endif
     }
     free(aq);
     free(as);

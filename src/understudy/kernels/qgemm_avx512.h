@@ -86,74 +86,79 @@ static inline __attribute__((always_inline)) void load_q6_k_regs(const uint8_t *
     }
 }
 
-/* Rows 0..R-1 (R <= GROUP_ROWS, a constant after inlining) of one column over its nb k-quant
- * blocks: out[r] = the lanes summed in qgemm.c's fixed tree. */
+/* Row r's integer dot with a decoded k-quant block: 16 int32 lanes, lanes 0-7 from the even
+ * 32-value chunks and 8-15 from the odd ones (their sum is the AVX2 path's 8 lanes). */
+static inline __attribute__((always_inline)) __m512i kquant_dot(const kregs *u, const int8_t *a) {
+    __m512i isum = _mm512_setzero_si512();
+    for (int p = 0; p < 4; ++p) {
+        __m512i pairs = _mm512_maddubs_epi16(u->w[p], _mm512_loadu_si512((const void *)(a + 64 * p)));
+#if defined(__AVX512VNNI__)
+        isum = _mm512_dpwssd_epi32(isum, pairs, u->sc[p]); /* = add(isum, madd(pairs, sc)) */
+#else
+        isum = _mm512_add_epi32(isum, _mm512_madd_epi16(pairs, u->sc[p]));
+#endif
+    }
+    return isum;
+}
+
+/* Blocks b0..b1-1 of one column for rows 0..R-1 (R <= GROUP_ROWS, a constant after inlining):
+ * acc[r] (8 float lanes, in memory between calls) += their lanes, block by block. Rows go two
+ * to a 512-bit float register (lanes 0-7 the even row, 8-15 the odd): each lane still sees
+ * exactly the AVX2 path's float steps, in its order. */
 static inline __attribute__((always_inline)) void kquant_group(
-    int q4k, const uint8_t *row, long nb, const int8_t *aq, const float *as,
-    const int16_t *ab, long K, const int R, const __m512i *index, float *out) {
-    __m256 acc[GROUP_ROWS];
-    for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
+    int q4k, const uint8_t *row, long b0, long b1, long nb, const int8_t *aq, const float *as,
+    const int16_t *ab, long K, const int R, const __m512i *index, float (*accm)[8]) {
+    __m512 acc[GROUP_ROWS / 2];
+    __m256 last = _mm256_setzero_ps(); /* row R - 1 when R is odd */
+    for (int i = 0; i < R / 2; ++i) acc[i] = _mm512_loadu_ps(accm[2 * i]);
+    if (R & 1) last = _mm256_loadu_ps(accm[R - 1]);
     kregs u;
-    for (long b = 0; b < nb; ++b) {
+    for (long b = b0; b < b1; ++b) {
         if (q4k)
             load_q4_k_regs(row + b * 144, &u, index);
         else
             load_q6_k_regs(row + b * 210, &u, index);
-        for (int r = 0; r < R; ++r) {
-            const int8_t *a = aq + r * K + b * 256;
-            __m512i isum = _mm512_setzero_si512();
-            for (int p = 0; p < 4; ++p) {
-                __m512i x = _mm512_loadu_si512((const void *)(a + 64 * p));
-                isum = _mm512_add_epi32(
-                    isum, _mm512_madd_epi16(_mm512_maddubs_epi16(u.w[p], x), u.sc[p]));
+        __m512 d = _mm512_set1_ps(u.d), dmin = _mm512_set1_ps(u.dmin);
+        __m512i mn = _mm512_broadcast_i64x4(u.mn);
+        for (int i = 0; i < R / 2; ++i) {
+            long r = 2 * i;
+            __m512i e = kquant_dot(&u, aq + r * K + b * 256);
+            __m512i o = kquant_dot(&u, aq + (r + 1) * K + b * 256);
+            __m512i isum = _mm512_add_epi32(_mm512_shuffle_i64x2(e, o, 0x44),
+                                            _mm512_shuffle_i64x2(e, o, 0xee));
+            __m512i bs = _mm512_inserti64x4(
+                _mm512_castsi256_si512(
+                    _mm256_loadu_si256((const __m256i *)(ab + r * (K / 16) + b * 16))),
+                _mm256_loadu_si256((const __m256i *)(ab + (r + 1) * (K / 16) + b * 16)), 1);
+            __m512i jsum = _mm512_madd_epi16(bs, mn);
+            __m512 s = _mm512_insertf32x8(_mm512_set1_ps(as[r * nb + b]),
+                                          _mm256_set1_ps(as[(r + 1) * nb + b]), 1);
+            if (q4k) {
+                acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), _mm512_mul_ps(s, d), acc[i]);
+                acc[i] = _mm512_fnmadd_ps(_mm512_cvtepi32_ps(jsum), _mm512_mul_ps(s, dmin), acc[i]);
+            } else {
+                acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(isum, jsum)),
+                                         _mm512_mul_ps(s, d), acc[i]);
             }
-            __m256i i8 = _mm256_add_epi32(_mm512_castsi512_si256(isum),
-                                          _mm512_extracti64x4_epi64(isum, 1));
+        }
+        if (R & 1) {
+            long r = R - 1;
+            __m512i e = kquant_dot(&u, aq + r * K + b * 256);
+            __m256i i8 = _mm256_add_epi32(_mm512_castsi512_si256(e), _mm512_extracti64x4_epi64(e, 1));
             __m256i j8 = _mm256_madd_epi16(
                 _mm256_loadu_si256((const __m256i *)(ab + r * (K / 16) + b * 16)), u.mn);
-            float s = as[r * nb + b];
+            float sr = as[r * nb + b];
             if (q4k) {
-                acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(i8), _mm256_set1_ps(s * u.d), acc[r]);
-                acc[r] = _mm256_fnmadd_ps(_mm256_cvtepi32_ps(j8), _mm256_set1_ps(s * u.dmin),
-                                          acc[r]);
+                last = _mm256_fmadd_ps(_mm256_cvtepi32_ps(i8), _mm256_set1_ps(sr * u.d), last);
+                last = _mm256_fnmadd_ps(_mm256_cvtepi32_ps(j8), _mm256_set1_ps(sr * u.dmin), last);
             } else {
-                acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_sub_epi32(i8, j8)),
-                                         _mm256_set1_ps(s * u.d), acc[r]);
+                last = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_sub_epi32(i8, j8)),
+                                       _mm256_set1_ps(sr * u.d), last);
             }
         }
     }
-    for (int r = 0; r < R; ++r) {
-        float lanes[8];
-        _mm256_storeu_ps(lanes, acc[r]);
-        out[r] = lanes_sum(lanes);
-    }
-}
-
-#define KQUANT_CASE(R)                                                                     \
-    case R:                                                                                \
-        if (q4k)                                                                           \
-            kquant_group(1, row, nb, aq, as, ab, K, R, index, out);                        \
-        else                                                                               \
-            kquant_group(0, row, nb, aq, as, ab, K, R, index, out);                        \
-        break;
-
-/* kquant_group for a run-time R: one specialised copy per R, so the accumulators stay in
- * registers. */
-static void kquant_rows512(int q4k, const uint8_t *row, long nb, const int8_t *aq,
-                           const float *as, const int16_t *ab, long K, long R, float *out) {
-    __m512i index[4];
-    for (int p = 0; p < 4; ++p) index[p] = pair_index(!q4k, p);
-    switch (R) {
-        KQUANT_CASE(1)
-        KQUANT_CASE(2)
-        KQUANT_CASE(3)
-        KQUANT_CASE(4)
-        KQUANT_CASE(5)
-        KQUANT_CASE(6)
-        KQUANT_CASE(7)
-        KQUANT_CASE(8)
-    default: break;
-    }
+    for (int i = 0; i < R / 2; ++i) _mm512_storeu_ps(accm[2 * i], acc[i]);
+    if (R & 1) _mm256_storeu_ps(accm[R - 1], last);
 }
 
 /* Blocks b and b + 1 of a Q8_0 / Q5_0 row, signed, in one register; their scales in d0, d1. */
@@ -168,18 +173,16 @@ static inline __attribute__((always_inline)) __m512i decode_pair(int q8, const u
     return _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1);
 }
 
-/* Rows 0..R-1 (R <= GROUP_ROWS, a constant after inlining) of one column over its nb
- * 32-value blocks: out[r] = the lanes summed in qgemm.c's fixed tree. The float steps run
- * one block at a time, in block order, as block32_rows does. */
-static inline __attribute__((always_inline)) void block32_group(int q8, const uint8_t *row,
-                                                                long nb, const int8_t *aq,
-                                                                const float *as, long K,
-                                                                const int R, float *out) {
+/* Blocks b0..b1-1 (b0 even) of one column for rows 0..R-1 of 32-value blocks: acc[r] += their
+ * lanes, one block at a time in block order, as block32_rows does. */
+static inline __attribute__((always_inline)) void block32_group(
+    int q8, const uint8_t *row, long b0, long b1, long nb, const int8_t *aq, const float *as,
+    long K, const int R, float (*accm)[8]) {
     __m256 acc[GROUP_ROWS];
-    for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
+    for (int r = 0; r < R; ++r) acc[r] = _mm256_loadu_ps(accm[r]);
     const __m512i zero = _mm512_setzero_si512();
-    long bytes = q8 ? 34 : 22, b = 0;
-    for (; b + 2 <= nb; b += 2) {
+    long bytes = q8 ? 34 : 22, b = b0;
+    for (; b + 2 <= b1; b += 2) {
         float d0, d1;
         __m512i w = decode_pair(q8, row + b * bytes, &d0, &d1);
         __m512i wabs = _mm512_abs_epi8(w); /* -128 -> 0x80, read unsigned: 128 */
@@ -201,7 +204,7 @@ static inline __attribute__((always_inline)) void block32_group(int q8, const ui
                 _mm256_set1_ps(s[1] * d1), acc[r]);
         }
     }
-    if (b < nb) { /* an odd last block alone */
+    if (b < b1) { /* an odd last block alone */
         float d = half_to_float(read_u16(row + b * bytes));
         __m256i w = q8 ? _mm256_loadu_si256((const __m256i *)(row + b * bytes + 2))
                        : decode_q5_0(row + b * bytes);
@@ -214,33 +217,81 @@ static inline __attribute__((always_inline)) void block32_group(int q8, const ui
                                      _mm256_set1_ps(as[r * nb + b] * d), acc[r]);
         }
     }
-    for (int r = 0; r < R; ++r) {
-        float lanes[8];
-        _mm256_storeu_ps(lanes, acc[r]);
-        out[r] = lanes_sum(lanes);
+    for (int r = 0; r < R; ++r) _mm256_storeu_ps(accm[r], acc[r]);
+}
+
+#define GROUP_CASE(R)                                                                      \
+    case R:                                                                                \
+        if (type == T_Q4_K)                                                                \
+            kquant_group(1, row, b0, b1, nb, aq, as, ab, K, R, index, acc);                \
+        else if (type == T_Q6_K)                                                           \
+            kquant_group(0, row, b0, b1, nb, aq, as, ab, K, R, index, acc);                \
+        else if (type == T_Q8_0)                                                           \
+            block32_group(1, row, b0, b1, nb, aq, as, K, R, acc);                          \
+        else                                                                               \
+            block32_group(0, row, b0, b1, nb, aq, as, K, R, acc);                          \
+        break;
+
+/* The group functions for a run-time type and R: one specialised copy each, so that the
+ * accumulators stay in registers. */
+static void group_rows512(int type, const uint8_t *row, long b0, long b1, long nb,
+                          const int8_t *aq, const float *as, const int16_t *ab, long K, long R,
+                          const __m512i *index, float (*acc)[8]) {
+    switch (R) {
+        GROUP_CASE(1)
+        GROUP_CASE(2)
+        GROUP_CASE(3)
+        GROUP_CASE(4)
+        GROUP_CASE(5)
+        GROUP_CASE(6)
+        GROUP_CASE(7)
+        GROUP_CASE(8)
+    default: break;
     }
 }
 
-#define BLOCK32_CASE(R)                                                                    \
-    case R:                                                                                \
-        if (q8)                                                                            \
-            block32_group(1, row, nb, aq, as, K, R, out);                                  \
-        else                                                                               \
-            block32_group(0, row, nb, aq, as, K, R, out);                                  \
-        break;
+#define NTILE 16 /* columns that share one pass over a chunk of the activations */
+#define L1_ROWS_BYTES 16384 /* a group's activations up to this size stay in L1 unchunked */
+#define CHUNK_VALUES 2048   /* else K goes in chunks of this many values */
 
-/* block32_group for a run-time R (one specialised copy per R). */
-static void block32_rows512(int q8, const uint8_t *row, long nb, const int8_t *aq,
-                            const float *as, long K, long R, float *out) {
-    switch (R) {
-        BLOCK32_CASE(1)
-        BLOCK32_CASE(2)
-        BLOCK32_CASE(3)
-        BLOCK32_CASE(4)
-        BLOCK32_CASE(5)
-        BLOCK32_CASE(6)
-        BLOCK32_CASE(7)
-        BLOCK32_CASE(8)
-    default: break;
+/* Columns n0..n1-1 for rows 0..rows-1: y[r * ldy + n] (+ bias[n]). Columns go NTILE at a
+ * time and K in chunks, so the activations a tile reads stay in L1 for all of its columns;
+ * each lane's float steps still run in block order. */
+static void columns512(int type, const uint8_t *w, long row_bytes, const int8_t *aq,
+                       const float *as, const int16_t *ab, const float *bias, float *y, long ldy,
+                       long rows, long K, long n0, long n1) {
+    long bsize = block_size(type), nb = K / bsize, bbytes = block_bytes(type);
+    __m512i index[4];
+    for (int p = 0; p < 4; ++p) index[p] = pair_index(type == T_Q6_K, p);
+    float acc[NTILE][GROUP_ROWS][8];
+    for (long n = n0; n < n1; n += NTILE) {
+        long nt = n1 - n < NTILE ? n1 - n : NTILE;
+        for (long g = 0; g < rows; g += GROUP_ROWS) {
+            long R = rows - g < GROUP_ROWS ? rows - g : GROUP_ROWS;
+            long chunk = R * K <= L1_ROWS_BYTES ? nb : CHUNK_VALUES / bsize; /* b0 stays even */
+            memset(acc, 0, sizeof(acc));
+            for (long b0 = 0; b0 < nb; b0 += chunk) {
+                long b1 = nb - b0 < chunk ? nb : b0 + chunk;
+                for (long j = 0; j < nt; ++j) {
+                    /* chunked, the weights are read a piece of a column at a time, and the
+                     * hardware does not foresee the jumps: fetch the piece two columns ahead
+                     * (or the next chunk's first two) ourselves */
+                    long pj = j + 2 < nt ? j + 2 : j + 2 - nt, pb0 = j + 2 < nt ? b0 : b1;
+                    if (chunk < nb && pb0 < nb) {
+                        long pb1 = nb - pb0 < chunk ? nb : pb0 + chunk;
+                        const uint8_t *p = w + (n + pj) * row_bytes;
+                        for (long o = pb0 * bbytes; o < pb1 * bbytes; o += 64)
+                            _mm_prefetch((const char *)(p + o), _MM_HINT_T0);
+                    }
+                    group_rows512(type, w + (n + j) * row_bytes, b0, b1, nb, aq + g * K,
+                                  as + g * nb, ab + g * (K / 16), K, R, index, acc[j]);
+                }
+            }
+            for (long j = 0; j < nt; ++j)
+                for (long r = 0; r < R; ++r) {
+                    float v = lanes_sum(acc[j][r]);
+                    y[(g + r) * ldy + n + j] = bias ? v + bias[n + j] : v;
+                }
+        }
     }
 }
