@@ -1,15 +1,17 @@
 """The llama.cpp peer: llama.cpp's own programs on the same GGUF files and the same prompts.
 
-llama.cpp is not a dependency. The bench runs two of its programs, which the user builds from
-llama.cpp's sources (`BUILD_HINT`), found by `find_programs`:
+llama.cpp is not a dependency. The bench runs three of its programs, which the user builds
+from llama.cpp's sources (`BUILD_HINT`), found by `find_programs`:
 
 - `llama-bench`: llama.cpp's standard figures for plain decoding of each model: pp N (prompt
   tokens a second) and tg N (generated tokens a second), with the bench's thread count.
+- `llama-completion`: one greedy generation per prompt, plain decoding, one target pass a
+  token, timed by its perf lines (model loading excluded): the reference ("llama.cpp-plain")
+  that the speculative runs must equal.
 - `llama-speculative-simple`: one greedy generation per prompt, timed by the program itself
-  (prefill: "encoded"; generation: "decoded"; model loading excluded). Without a draft model
-  it is plain decoding, one target pass a token: the reference ("llama.cpp-plain") that its
-  speculative runs must equal. With `-md` the draft model proposes up to K tokens a round
-  ("llama.cpp-draft" with llama.cpp's default K, "llama.cpp-draft:k=N").
+  (prefill: "encoded"; generation: "decoded"; model loading excluded); with `-md` the draft
+  model proposes up to K tokens a round ("llama.cpp-draft" with llama.cpp's default K,
+  "llama.cpp-draft:k=N").
 
 The prompt is our tokenizer's text of the prompt's token ids (chat template applied, special
 tokens kept), which llama.cpp tokenizes again; each run records llama.cpp's prompt token
