@@ -167,10 +167,25 @@ static inline __attribute__((always_inline)) __m512i decode_pair(int q8, const u
     long bytes = q8 ? 34 : 22;
     *d0 = half_to_float(read_u16(blk));
     *d1 = half_to_float(read_u16(blk + bytes));
-    __m256i lo = q8 ? _mm256_loadu_si256((const __m256i *)(blk + 2)) : decode_q5_0(blk);
-    __m256i hi = q8 ? _mm256_loadu_si256((const __m256i *)(blk + bytes + 2))
-                    : decode_q5_0(blk + bytes);
-    return _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1);
+    if (q8)
+        return _mm512_inserti64x4(
+            _mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)(blk + 2))),
+            _mm256_loadu_si256((const __m256i *)(blk + bytes + 2)), 1);
+    /* Q5_0: 16 bytes of nibbles (value i: low nibble of byte i, value 16 + i: high nibble)
+     * and 32 fifth bits, bit i for value i: both blocks' 64 bits become a byte mask */
+    __m128i x0 = _mm_loadu_si128((const __m128i *)(blk + 6));
+    __m128i x1 = _mm_loadu_si128((const __m128i *)(blk + bytes + 6));
+    __m512i z = _mm512_castsi128_si512(x0);
+    z = _mm512_inserti32x4(z, _mm_srli_epi16(x0, 4), 1);
+    z = _mm512_inserti32x4(z, x1, 2);
+    z = _mm512_inserti32x4(z, _mm_srli_epi16(x1, 4), 3);
+    uint32_t h0, h1;
+    memcpy(&h0, blk + 2, 4);
+    memcpy(&h1, blk + bytes + 2, 4);
+    __m512i fifth = _mm512_maskz_mov_epi8((__mmask64)h0 | ((__mmask64)h1 << 32),
+                                          _mm512_set1_epi8(0x10));
+    z = _mm512_or_si512(_mm512_and_si512(z, _mm512_set1_epi8(0xf)), fifth);
+    return _mm512_sub_epi8(z, _mm512_set1_epi8(16));
 }
 
 /* Blocks b0..b1-1 (b0 even) of one column for rows 0..R-1 of 32-value blocks: acc[r] += their
