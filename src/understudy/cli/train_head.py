@@ -101,6 +101,7 @@ def train_head_command(
     from understudy.head.pipeline import HeadSettings, train_head
     from understudy.head.self_text import OPENER_SAMPLED, docstring_prompts, opener_prompts
     from understudy.head.train import PRECISIONS, TrainConfig
+    from understudy.models.hf_fallback import refuse_on_fallback
     from understudy.models.loader import load_model
     from understudy.models.registry import DEFAULT_TARGET
 
@@ -152,6 +153,7 @@ def train_head_command(
     err = Console(stderr=True, highlight=False)
     try:
         loaded = load_model(target or DEFAULT_TARGET)
+        refuse_on_fallback(loaded, None, wants_hidden=True)  # a head reads hidden states
         if loaded.tokenizer is None:
             raise UnderstudyError(f"target {loaded.name!r} has no tokenizer: cannot read text")
         if data:

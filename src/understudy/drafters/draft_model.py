@@ -35,10 +35,11 @@ from __future__ import annotations
 
 import torch
 
-from understudy.config import SamplingParams
+from understudy.config import SamplingParams, UnderstudyError
 from understudy.drafters.base import EMPTY, ChainRequest, Proposal, register
 from understudy.drafters.calibration import DoubtRules, RoundRecord, chain_and_tree_options
 from understudy.drafters.tree_search import BestFirstTree, tree_log_scores
+from understudy.models.hf_fallback import FallbackLM
 from understudy.models.loader import LoadedModel
 from understudy.models.runner import Runner
 from understudy.models.shared_pass import extend_together
@@ -83,6 +84,8 @@ class DraftModelProposer(DoubtRules):
         path_confidence: float | None = 0.0,
     ) -> None:
         self.runner = runner
+        # a draft on transformers' own code (models/hf_fallback.py) holds one sequence
+        self.batches = not isinstance(runner.model, FallbackLM)
         self.fed: list[int] = []  # tokens whose KV the draft computed, in order
         self.tree = tree  # "off", "on" or "auto" (the engine decides each round: tree_choice.py)
         self.branching = branching
@@ -97,6 +100,11 @@ class DraftModelProposer(DoubtRules):
         self.record = RoundRecord()
 
     def for_seat(self, index: int) -> DraftModelProposer:
+        if not self.batches:
+            raise UnderstudyError(
+                "the draft model runs on transformers' own code (its architecture has no fast "
+                "path), which holds one sequence: use max_num_seqs=1"
+            )
         runner = self.runner
         seat = Runner(runner.model, runner.max_context, first_slot=index * runner.slots)
         return DraftModelProposer(

@@ -23,6 +23,7 @@ from understudy.drafters.base import Drafter
 from understudy.engine.request import Seat
 from understudy.engine.seats import make_seats
 from understudy.kernels import rowgemm
+from understudy.models.hf_fallback import FallbackLM, refuse_on_fallback
 from understudy.models.loader import LoadedModel, cpu_has_native_bf16, load_model
 from understudy.models.packed import PACK_FROM_ROWS, can_pack, pack_linears
 from understudy.models.quant import SCHEMES, load_or_quantize
@@ -38,15 +39,16 @@ METHODS = ("none", *DRAFTERS)
 ROW_INVARIANT_ROWS = 16  # most rows of an unpadded pass (K <= 15) unless told otherwise
 
 
-def row_invariant_kernels(model: Transformer) -> bool:
+def row_invariant_kernels(model: Transformer | FallbackLM) -> bool:
     """Whether the target runs row-invariant kernels (kernels/rowgemm.py): float32 on a CPU
     where the kernel could be built. Then passes are not padded at all: plain decoding scores
     one row, verification K+1, and a row's logits are bitwise the same either way. A model
-    running from GGUF blocks (kernels/qgemm.py, which needs rowgemm too) is one of these."""
+    running from GGUF blocks (kernels/qgemm.py, which needs rowgemm too) is one of these, and
+    so is a transformers fallback model (models/hf_fallback.py) once its linears are swapped."""
     return model.device.type == "cpu" and model.dtype == torch.float32 and rowgemm.available()
 
 
-def target_pass_shape(model: Transformer) -> tuple[int, bool]:
+def target_pass_shape(model: Transformer | FallbackLM) -> tuple[int, bool]:
     """(rows, pad) of the target's passes by default: (16, False) with row-invariant kernels,
     else (the hardware's padded budget, True)."""
     if row_invariant_kernels(model):
@@ -54,10 +56,14 @@ def target_pass_shape(model: Transformer) -> tuple[int, bool]:
     return default_verify_rows(model.dtype, model.device), True
 
 
-def install_row_invariant_kernels(model: Transformer, rows: int) -> None:
+def install_row_invariant_kernels(model: Transformer | FallbackLM, rows: int) -> None:
     """Swap the target's linears for rowgemm and score each row of a pass of up to `rows`
     rows in its own attention call (models/transformer.py), so no op of a decode pass
-    depends on how many rows it holds. Idempotent."""
+    depends on how many rows it holds. Idempotent. A fallback model's attention is row by
+    row already (models/row_attention.py): only its linears change."""
+    if isinstance(model, FallbackLM):
+        model.use_row_invariant_kernels()
+        return
     rowgemm.use_row_invariant_linears(model)
     for layer in model.layers:
         layer.attn.rows_apart_upto = max(layer.attn.rows_apart_upto, rows)
@@ -77,9 +83,12 @@ def default_verify_rows(dtype: torch.dtype, device: torch.device) -> int:
     return 6
 
 
-def prepare_target_kernels(model: Transformer, rows: int) -> None:
+def prepare_target_kernels(model: Transformer | FallbackLM, rows: int) -> None:
     """Pack the target's linears for oneDNN when its passes hold >= 4 rows on a CPU (from 4
-    rows on, F.linear repacks every weight on every call; models/packed.py)."""
+    rows on, F.linear repacks every weight on every call; models/packed.py). Our
+    Transformer's only: a fallback model keeps transformers' own layers."""
+    if isinstance(model, FallbackLM):
+        return
     if rows >= PACK_FROM_ROWS and can_pack(model.device, model.dtype):
         pack_linears(model, rows)
 
@@ -96,6 +105,14 @@ def resolve_draft_quantization(
     (quantization="gguf") it is quantized already: "auto" is then none, a scheme refused."""
     if value in (None, "none"):
         return None
+    if draft_model and isinstance(draft.model, FallbackLM):
+        if value == "auto":
+            return None
+        raise UnderstudyError(
+            f"draft_quantization={value!r} quantizes our Transformer's linears, but the draft "
+            f"{draft.name!r} runs on transformers' own code (its architecture has no fast "
+            "path): use auto or none"
+        )
     if draft_model and draft.from_blocks:
         if value == "auto":
             return None
@@ -248,6 +265,15 @@ def target_runner(target: LoadedModel, spec: EngineSpec) -> tuple[Runner, bool]:
             "greedy output may differ from method='none' on near-ties (stats.exact = False)",
             stacklevel=4,
         )
+    elif isinstance(model, FallbackLM) and spec.method != "none":
+        why = model.why_inexact(pad, rows)
+        if why is not None:
+            exact = False
+            warnings.warn(
+                f"{target.name!r} runs on transformers' own code, and {why}: greedy output "
+                "may differ from method='none' on near-ties (stats.exact = False)",
+                stacklevel=4,
+            )
     return Runner(model, spec.max_context, rows=rows, pad=pad), exact
 
 
@@ -284,7 +310,9 @@ def assemble(models: LoadedModels, spec: EngineSpec, draft: str | None = None) -
         options = dict(spec.drafter_options)
         if drafter_cls.draft_names_head and draft is not None:
             options["head"] = draft
+        refuse_on_fallback(target, models.draft, drafter_cls.wants_hidden)
         drafter = drafter_cls.from_models(target, models.draft, spec.max_context, **options)
+        refuse_on_fallback(target, models.draft, False, drafter.tree)
         scheme = resolve_draft_quantization(spec.draft_quantization, target)
         if scheme is not None:
             drafter.quantize(scheme)  # a network of the drafter's own (eagle's head)

@@ -8,12 +8,17 @@ at build, so admitting and retiring sequences never allocates.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from understudy.config import UnderstudyError
 from understudy.drafters.base import Drafter
 from understudy.engine.request import Seat
 from understudy.models.runner import Runner
 from understudy.models.shared_pass import shares_passes
 from understudy.models.transformer import Transformer
+
+if TYPE_CHECKING:
+    from understudy.models.hf_fallback import FallbackLM
 
 # max_num_seqs="auto": this many seats where sequences can share a pass (a wider pass costs
 # rows' arithmetic, which a CPU's memory-bound pass hides up to about this many), else one.
@@ -38,8 +43,9 @@ def make_seats(runner: Runner, drafter: Drafter | None, count: int | str) -> lis
     if not shares_passes(runner):
         raise UnderstudyError(
             "max_num_seqs > 1 needs the target's row-invariant kernels (float32 or a GGUF "
-            "model's own blocks on a CPU): this target pads every pass to a fixed row budget, "
-            "which cannot hold other sequences' rows"
+            "model's own blocks on a CPU) on a fast-path architecture: this target pads every "
+            "pass to a fixed row budget or runs on transformers' own code, which cannot hold "
+            "other sequences' rows"
         )
     for index in range(1, count):
         seat_runner = Runner(
@@ -50,10 +56,11 @@ def make_seats(runner: Runner, drafter: Drafter | None, count: int | str) -> lis
     return seats
 
 
-def kv_bytes(model: Transformer, slots: int) -> int:
-    """Bytes of keys and values `slots` slots of `model`'s cache hold (every layer)."""
+def kv_bytes(model: Transformer | FallbackLM, slots: int) -> int:
+    """Bytes of keys and values `slots` slots of `model`'s cache hold (every layer; the
+    cache is in the model's dtype)."""
     cfg = model.cfg
-    element = model.k_cache[0].element_size() if model.k_cache else 4
+    element = model.dtype.itemsize
     return 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * element * slots
 
 

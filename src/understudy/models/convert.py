@@ -6,10 +6,10 @@ change is mechanical: q/k/v projections become one `wqkv` matmul and gate/up one
 `w_gate_up` (Phi-3's fused `qkv_proj` / `gate_up_proj` already are), and a mixture's
 stacked expert weights become one MLP per expert.
 
-Everything else raises UnsupportedArchitecture with one line saying why: in particular
-models whose state is a recurrence (Mamba, RWKV, Gated DeltaNet and other linear-attention
-hybrids), which cannot be rolled back by position arithmetic on a KV cache, so a rejected
-guess could not be undone.
+Everything else raises UnsupportedArchitecture with one line saying why; the loader then runs
+it on transformers' own code (models/hf_fallback.py), except models whose state is a
+recurrence (Mamba, RWKV, Gated DeltaNet and other linear-attention hybrids), which cannot be
+rolled back by position arithmetic on a KV cache, so a rejected guess could not be undone.
 """
 
 from __future__ import annotations

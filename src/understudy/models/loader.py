@@ -3,7 +3,8 @@
 A spec is one of: a packaged registry name ("qwen2.5-coder-1.5b"), a .gguf file, a local
 Hugging Face model directory, or a Hugging Face hub id ("Qwen/Qwen2.5-Coder-1.5B-Instruct").
 Transformers does the reading and dequantizing; the weights are then re-laid for our
-Transformer. GGUF conversion is slow (tens of seconds), so its result is cached as
+Transformer; an architecture our Transformer lacks runs on transformers' own code instead
+(models/hf_fallback.py). GGUF conversion is slow (tens of seconds), so its result is cached as
 safetensors under the cache directory, keyed by the file's identity and the dtype: later
 loads take seconds. Models without a tokenizer load with `tokenizer=None` (token-id prompts).
 
@@ -21,16 +22,19 @@ import os
 import warnings
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from safetensors.torch import load_file, save_file
 
 from understudy.config import UnderstudyError
-from understudy.models.convert import config_from_hf, convert_state_dict
+from understudy.models.convert import UnsupportedArchitecture, config_from_hf, convert_state_dict
 from understudy.models.fetch import cache_dir, fetch_packaged_model
 from understudy.models.registry import resolve_packaged, unknown_model_message
 from understudy.models.transformer import Transformer, TransformerConfig
+
+if TYPE_CHECKING:
+    from understudy.models.hf_fallback import FallbackLM
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 QUANTIZATIONS = ("auto", "none", "gguf")
@@ -41,7 +45,7 @@ class LoadedModel:
     """A ready model: weights on `device`, tokenizer or None, and the ids that end text."""
 
     name: str
-    model: Transformer
+    model: Transformer | FallbackLM  # FallbackLM: an architecture the fast path lacks
     tokenizer: Any | None  # a transformers tokenizer, or None for token-id-only models
     eos_token_ids: tuple[int, ...]
     from_blocks: bool = False  # runs from its GGUF file's own blocks (quantization="gguf")
@@ -154,13 +158,24 @@ def _load_hf(spec: str, dtype: torch.dtype, device: torch.device) -> LoadedModel
         raise UnderstudyError(
             f"could not load model {spec!r}: {str(err).splitlines()[0]}"
         ) from None
-    cfg = config_from_hf(hf.config, hf.state_dict())
-    weights = convert_state_dict(hf.state_dict(), cfg)
     eos = _eos_ids(hf.generation_config, hf.config)
     tokenizer = _load_tokenizer(spec)
     if tokenizer is not None and tokenizer.eos_token_id is not None:
         eos = tuple(dict.fromkeys((*eos, tokenizer.eos_token_id)))
-    return LoadedModel(spec, _build(cfg, weights, device), tokenizer, eos)
+    return LoadedModel(spec, _ours_or_fallback(hf, device), tokenizer, eos)
+
+
+def _ours_or_fallback(hf: Any, device: torch.device) -> Transformer | FallbackLM:
+    """Our Transformer where the fast path knows the architecture, else transformers' own
+    model driven over a static cache (models/hf_fallback.py), which refuses, saying why,
+    what cannot be rolled back by position."""
+    try:
+        cfg = config_from_hf(hf.config, hf.state_dict())
+    except UnsupportedArchitecture as refusal:
+        from understudy.models.hf_fallback import fallback_model
+
+        return fallback_model(hf, refusal, device)
+    return _build(cfg, convert_state_dict(hf.state_dict(), cfg), device)
 
 
 def _load_gguf(

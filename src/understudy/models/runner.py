@@ -20,11 +20,16 @@ committed tokens, laid out as a chain would have written them.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 
 from understudy.models.key_groups import KeyGroup
 from understudy.models.split_attention import SplitKeys, split_keys
 from understudy.models.transformer import Transformer
+
+if TYPE_CHECKING:
+    from understudy.models.hf_fallback import FallbackLM
 
 PREFILL_CHUNK = 512
 WINDOW_QUANTUM = 256  # key windows are multiples of this many slots
@@ -44,7 +49,7 @@ def path_slots(slots: torch.Tensor, visible: torch.Tensor, base: int) -> torch.T
 class Runner:
     def __init__(
         self,
-        model: Transformer,
+        model: Transformer | FallbackLM,  # FallbackLM: chain passes only (hf_fallback.py)
         max_context: int,
         rows: int | None = None,
         pad: bool = True,

@@ -13,13 +13,17 @@ from __future__ import annotations
 
 import torch
 
+from understudy.models.hf_fallback import FallbackLM
 from understudy.models.key_groups import KeyGroup
 from understudy.models.runner import Runner
 
 
 def shares_passes(runner: Runner) -> bool:
     """Whether this runner's rows may share a pass: a padded pass (a fixed row budget over
-    keys from slot 0) cannot hold other sequences' rows."""
+    keys from slot 0) cannot hold other sequences' rows, nor can a model on transformers' own
+    code (models/hf_fallback.py: one sequence, at slots equal to its positions)."""
+    if isinstance(runner.model, FallbackLM):
+        return False
     return runner.rows is None or not runner.pad
 
 
