@@ -64,6 +64,36 @@ def softcapped(q, keys, values, mask, gqa, scale: float, softcap: float) -> torc
     return torch.matmul(probs, values)
 
 
+def attend_visible(
+    q: torch.Tensor,  # [1, H, 1, D]
+    keys: torch.Tensor,  # [1, Hkv, L, D]: exactly the keys the row sees
+    values: torch.Tensor,  # [1, Hkv, L, D]
+    scale: float,
+) -> torch.Tensor:
+    """One query row over keys it may all see: softmax(q k^T * scale) v -> [1, H, 1, D].
+    Three small matmul-sized steps; for one row this is several times cheaper than SDPA's
+    blocked kernel under a mask, whose cost follows the cache window, not the keys seen."""
+    kv_heads, dim, heads = keys.shape[1], keys.shape[3], q.shape[1]
+    qg = q.reshape(kv_heads, heads // kv_heads, dim)  # [Hkv, G, D]
+    scores = torch.matmul(qg, keys[0].transpose(1, 2)) * scale  # [Hkv, G, L]
+    probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+    return torch.matmul(probs, values[0]).reshape(1, heads, 1, dim)
+
+
+def visible_spans(mask: torch.Tensor) -> list[tuple[int, int] | None]:
+    """For each row of mask [R, L] (bool), (lo, hi) when the keys it sees are exactly the
+    run lo..hi-1 (a chain or a sliding window), else None (a tree's ancestors)."""
+    edges = torch.zeros(mask.shape[0], mask.shape[1] + 2, dtype=torch.int8)
+    edges[:, 1:-1] = mask
+    runs = (edges[:, 1:] != edges[:, :-1]).sum(-1)  # 2 for exactly one run of True
+    lo = mask.to(torch.int8).argmax(-1)
+    hi = lo + mask.sum(-1)
+    return [
+        (a, b) if n == 2 else None
+        for a, b, n in zip(lo.tolist(), hi.tolist(), runs.tolist(), strict=True)
+    ]
+
+
 def region_view(cache: torch.Tensor, rows: int, region: int, length: int) -> torch.Tensor:
     """cache [Hkv, S, D] seen as each row's own region: [R, Hkv, L, D], row r's slots
     r * region .. r * region + L - 1 (a view, no copy; needs R * region <= S, L <= region)."""
@@ -90,6 +120,7 @@ class Attention(nn.Module):
         full = cfg.rotary_dim in (None, cfg.head_dim)
         self.rotate = rotate if full else rotate_partial
         self.scale = cfg.attn_scale  # None: SDPA's own head_dim ** -0.5
+        self.row_scale = cfg.head_dim**-0.5 if self.scale is None else self.scale
         softcap = cfg.attn_softcap
         self.softcap = softcap
         if softcap is None:
@@ -180,15 +211,20 @@ class Attention(nn.Module):
         if rows > self.rows_apart_upto:
             return self.attend(q[None], keys, values, mask, gqa)[0].transpose(0, 1)  # [R, H, D]
         per_row = keys.shape[0] > 1  # each query row its own call, the shape of a 1-row pass
-        return torch.cat(
-            [
-                self.attend(
-                    q[None, :, r : r + 1],  # [1, H, 1, D]
-                    keys[r : r + 1] if per_row else keys,  # [1, Hkv, L, D]
-                    values[r : r + 1] if per_row else values,
-                    mask[r : r + 1],  # [1, L]
-                    gqa,
-                )[0, :, 0]  # [H, D]
-                for r in range(rows)
-            ]
-        ).view(rows, cfg.num_heads, cfg.head_dim)  # [R, H, D]
+        spans = visible_spans(mask)
+        out = []
+        for r in range(rows):
+            q_r = q[None, :, r : r + 1]  # [1, H, 1, D]
+            k_r = keys[r : r + 1] if per_row else keys  # [1, Hkv, L, D]
+            v_r = values[r : r + 1] if per_row else values
+            span = spans[r]
+            if span is None:
+                o = self.attend(q_r, k_r, v_r, mask[r : r + 1], gqa)
+            elif self.softcap is None:  # exactly the keys it sees, whatever the window
+                lo, hi = span
+                o = attend_visible(q_r, k_r[:, :, lo:hi], v_r[:, :, lo:hi], self.row_scale)
+            else:
+                lo, hi = span
+                o = self.attend(q_r, k_r[:, :, lo:hi], v_r[:, :, lo:hi], mask[r : r + 1, lo:hi], gqa)
+            out.append(o[0, :, 0])  # [H, D]
+        return torch.cat(out).view(rows, cfg.num_heads, cfg.head_dim)  # [R, H, D]
