@@ -225,6 +225,8 @@ class Attention(nn.Module):
                 o = attend_visible(q_r, k_r[:, :, lo:hi], v_r[:, :, lo:hi], self.row_scale)
             else:
                 lo, hi = span
-                o = self.attend(q_r, k_r[:, :, lo:hi], v_r[:, :, lo:hi], mask[r : r + 1, lo:hi], gqa)
+                o = self.attend(
+                    q_r, k_r[:, :, lo:hi], v_r[:, :, lo:hi], mask[r : r + 1, lo:hi], gqa
+                )
             out.append(o[0, :, 0])  # [H, D]
         return torch.cat(out).view(rows, cfg.num_heads, cfg.head_dim)  # [R, H, D]
