@@ -65,3 +65,30 @@ def resample_from_p_verify(draft_ids, draft_probs, target_probs, generator):
         if float(torch.rand(1, generator=generator)) * float(q) >= float(p):
             return Verdict(i, int(sample(target_probs[i : i + 1], generator)))  # WRONG
     return Verdict(k, int(sample(target_probs[k : k + 1], generator)))
+
+
+def wrong_sibling_rule(tree, target_probs, generator):
+    """A WRONG `verify_tree_sampling` for mutation checks (not lossless): each sibling is
+    accepted with its ORIGINAL p(x), and p is never renormalised over the siblings left, so
+    sibling j is taken with probability prod(1 - p(x_l)) * p(x_j) < p(x_j). Same signature
+    and return type as understudy.verify.tree.verify_tree_sampling."""
+    import torch
+
+    from understudy.verify.sampling import sample
+    from understudy.verify.tree import TreeVerdict
+
+    children, node, path = tree.children(), 0, []
+    while True:
+        p = target_probs[node]
+        for c in children[node]:
+            if float(torch.rand((), generator=generator)) < float(p[tree.tokens[c]]):  # WRONG
+                node = c
+                path.append(c)
+                break
+        else:
+            residual = p.clone()
+            residual[tree.tokens[children[node]]] = 0.0
+            if residual.sum() <= 0:
+                residual = p
+            token = int(sample((residual / residual.sum())[None], generator))
+            return TreeVerdict(path, token, not children[node])

@@ -14,8 +14,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from eagle_helpers import SETTINGS, target_written_text
 from test_cli import cli
-from test_eagle import SETTINGS, target_written_text
 from understudy import Engine, SamplingParams
 from understudy.head.features import target_features
 from understudy.head.pipeline import HeadSettings, as_rows, train_head
