@@ -8,8 +8,9 @@ past them):
    (relative tolerance 1e-4);
 2. greedy: our plain decoding == transformers' greedy generate(), token for token; a
    difference is allowed only where transformers' own top two logits are a near-tie;
-3. speculative: greedy method="ngram" and method="draft" (a noisy copy as draft) == plain,
-   bit for bit, with row-invariant kernels and with padded passes (split attention);
+3. speculative: greedy method="draft" (a noisy copy as draft), "ngram", "suffix" and
+   "hybrid" == plain, bit for bit, with row-invariant kernels and with padded passes
+   (split attention);
 4. refusals: recurrent and unknown architectures are refused with a one-line reason;
 5. context: "dynamic" and "longrope" ropes end the engine's context where transformers
    switches their frequencies (models/rope.py), exact up to there.
@@ -214,8 +215,8 @@ def test_greedy_matches_transformers_generate(arch):
 
 @pytest.mark.parametrize("padded", [False, True], ids=["row-invariant", "padded"])
 def test_speculative_greedy_equals_plain(arch, padded, monkeypatch):
-    """method="ngram" and method="draft" (noisy copy, K=4) give plain decoding's tokens bit
-    for bit; padded: every pass holds a fixed number of rows and attends through
+    """method="draft" (noisy copy, K=4), "ngram", "suffix" and "hybrid" give plain decoding's
+    tokens bit for bit; padded: every pass holds a fixed number of rows and attends through
     split_attention (windowed for sliding layers)."""
     name, _, target, draft = arch
     if name in ROPE_ONLY:
@@ -228,14 +229,18 @@ def test_speculative_greedy_equals_plain(arch, padded, monkeypatch):
         target=str(target), draft=str(draft), method="draft", dtype="float32",
         num_speculative_tokens=4,
     )  # fmt: skip
-    ngram = Engine.from_pretrained(
-        target=str(target), method="ngram", dtype="float32", num_speculative_tokens=4
-    )
+    others = [
+        Engine.from_pretrained(
+            target=str(target), draft=str(draft) if method == "hybrid" else None, method=method,
+            dtype="float32", num_speculative_tokens=4,
+        )
+        for method in ("ngram", "suffix", "hybrid")
+    ]  # fmt: skip
     plain = spec.with_method("none")
-    assert spec.runner.pad is padded and ngram.runner.pad is padded
+    assert all(engine.runner.pad is padded for engine in (spec, *others))
     for prompt in (PROMPT, PROMPT[:5] * 3):  # the second repeats itself: n-grams match
         want = plain.generate(prompt, GREEDY).token_ids
-        for engine in (spec, ngram):
+        for engine in (spec, *others):
             out = engine.generate(prompt, GREEDY)
             assert out.token_ids == want, f"{engine.method} differs on {prompt}"
             assert out.stats.exact and out.stats.accepted > 0  # guesses were kept

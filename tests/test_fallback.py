@@ -7,10 +7,11 @@ transformers' own config class and saved to a temporary directory:
 
 1. greedy: our plain decoding == transformers' greedy generate(), token for token (a
    difference allowed only where transformers' own top two logits nearly tie);
-2. speculative: greedy method="ngram" and method="draft" (a noisy copy as the draft, itself on
-   the fallback) == plain, bit for bit, and stats.exact says so; beneath it, a verification
-   pass's logits are bitwise those of one-token passes (float32 with rowgemm's linears; and
-   padded 16-row bfloat16 passes where the CPU multiplies bfloat16 natively);
+2. speculative: greedy method="draft" (a noisy copy as the draft, itself on the fallback),
+   "ngram", "suffix" and "hybrid" == plain, bit for bit, and stats.exact says so; beneath
+   it, a verification pass's logits are bitwise those of one-token passes (float32 with
+   rowgemm's linears; and padded 16-row bfloat16 passes where the CPU multiplies bfloat16
+   natively);
 3. honesty: padded float32 passes on a CPU (no rowgemm) and a mixture of experts (OLMoE)
    run but report stats.exact = False with a warning;
 4. refusals, one line each: a recurrent model (Mamba), token trees, hidden states (eagle),
@@ -128,23 +129,27 @@ def test_greedy_matches_transformers_generate(family):
 
 @pytest.mark.skipif(not rowgemm.available(), reason="needs the rowgemm kernel (a C compiler)")
 def test_speculative_greedy_equals_plain(family, recwarn):
-    """method="ngram" and method="draft" (K=4) give plain decoding's tokens bit for bit, and
-    the engine claims it (stats.exact) without a warning: float32 on a CPU, every linear
-    (GPT-2's Conv1D included) swapped for rowgemm's, unpadded passes."""
+    """method="draft", "ngram", "suffix" and "hybrid" (K=4) give plain decoding's tokens bit
+    for bit, and the engine claims it (stats.exact) without a warning: float32 on a CPU,
+    every linear (GPT-2's Conv1D included) swapped for rowgemm's, unpadded passes."""
     _, target, draft = family
     spec = Engine.from_pretrained(
         target=str(target), draft=str(draft), method="draft", dtype="float32",
         num_speculative_tokens=4,
     )  # fmt: skip
-    ngram = Engine.from_pretrained(
-        target=str(target), method="ngram", dtype="float32", num_speculative_tokens=4
-    )
+    others = [
+        Engine.from_pretrained(
+            target=str(target), draft=str(draft) if method == "hybrid" else None, method=method,
+            dtype="float32", num_speculative_tokens=4,
+        )
+        for method in ("ngram", "suffix", "hybrid")
+    ]  # fmt: skip
     plain = spec.with_method("none")
     assert isinstance(spec.drafter.draft_runner().model, FallbackLM)  # the draft too
     assert not spec.runner.pad and spec.target.model.outside == []  # every matrix swapped
     for prompt in (PROMPT, PROMPT[:5] * 3):  # the second repeats itself: n-grams match
         want = plain.generate(prompt, GREEDY).token_ids
-        for engine in (spec, ngram):
+        for engine in (spec, *others):
             out = engine.generate(prompt, GREEDY)
             assert out.token_ids == want, f"{engine.method} differs on {prompt}"
             assert out.stats.exact and out.stats.accepted > 0  # guesses were kept

@@ -34,6 +34,7 @@ from understudy.models.eagle_head import (
     save_head,
 )
 from understudy.models.loader import LoadedModel
+from understudy.models.norms import norm_scale
 
 
 @dataclass(frozen=True)
@@ -153,7 +154,7 @@ def train_head(
         head.vocab.copy_(vocab)
         head.lm.weight.data = lm_rows(model, vocab).float()
         with torch.no_grad():  # start at the scale of the features it predicts
-            head.norm.weight.copy_(model.norm.weight)
+            head.norm.weight.copy_(norm_scale(model.norm))
     coverage = float(torch.isin(val_part["argmax"].long(), vocab).float().mean())
     facts = train(head, train_part, val_part, settings.train, folder, progress)
     meta = {

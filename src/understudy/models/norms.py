@@ -42,3 +42,10 @@ class OffsetRMSNorm(nn.Module):
 def make_norm(dim: int, eps: float, unit_offset: bool) -> nn.Module:
     """The family's norm, chosen once at build time."""
     return OffsetRMSNorm(dim, eps) if unit_offset else RMSNorm(dim, eps)
+
+
+def norm_scale(norm: nn.Module) -> torch.Tensor:
+    """The per-dimension factor `norm` applies after normalising: its weight, or 1 + weight
+    for OffsetRMSNorm (a copy)."""
+    weight = norm.weight.detach()
+    return 1.0 + weight if isinstance(norm, OffsetRMSNorm) else weight.clone()
