@@ -86,7 +86,8 @@ def test_build_processor_is_none_when_nothing_is_asked():
     [
         ("presence_penalty", 2.5, "presence_penalty must be a number in"),
         ("frequency_penalty", float("nan"), "frequency_penalty must be"),
-        ("repetition_penalty", 0.0, "repetition_penalty must be a number > 0"),
+        ("repetition_penalty", 0.0, "repetition_penalty must be a number in"),
+        ("repetition_penalty", 1e-300, "repetition_penalty must be a number in"),
         ("logit_bias", {1: 101.0}, "logit_bias values must be in"),
         ("logit_bias", {-1: 1.0}, "logit_bias keys must be token ids"),
         ("min_tokens", 200, "min_tokens must be an integer in 0..max_tokens"),
@@ -158,6 +159,20 @@ def test_grammar_wins_when_min_tokens_leaves_it_nothing(tokenizer):
     started(proc, [5], ids)
     row = proc.process(torch.randn(1, 320), [])[0]
     assert allowed(row) == {EOS} and row[EOS] == 0.0
+
+
+def test_constraints_that_leave_no_token_are_errors_not_nan(tokenizer):
+    """min_tokens with every token a stop token, and a grammar whose every next token is a
+    stop token, would leave a row of -inf only (NaN probabilities): each is refused."""
+    every = SamplingParams(min_tokens=2, stop_token_ids=list(range(1, 320)))
+    with pytest.raises(UnderstudyError, match="^min_tokens .*every token"):
+        build_processor(every, tokenizer, 320, (EOS,))
+    assert build_processor(every, tokenizer, 321, (EOS,)) is not None  # one token is left
+    cut = SamplingParams(structured=StructuredSpec(choice=("ab",)), stop_token_ids=[*range(1, 320)])
+    proc = build_processor(cut, tokenizer, 320, (EOS,))
+    proc.begin([5])
+    with pytest.raises(UnderstudyError, match="^structured output: .*allows no token"):
+        proc.process(torch.zeros(1, 320), [])
 
 
 @pytest.mark.parametrize(

@@ -53,6 +53,27 @@ def test_include_stop_str_in_output_keeps_the_stop_string(plain):
     assert kept.stats.finish_reason == cut.stats.finish_reason == "stop"
 
 
+def test_min_tokens_holds_off_stop_strings_too(plain):
+    """As vLLM: no stop string is looked for before min_tokens tokens (counting the one just
+    emitted), so one that completes earlier does not end the text."""
+    base = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    free = plain.generate(PROMPT, base)
+    pieces = [plain.tokenizer.decode([t]) for t in free.token_ids]
+    k, stop = next(
+        (i, p) for i, p in enumerate(pieces)
+        if i >= 2 and p.strip().isascii() and p.strip() and free.text.count(p) == 1
+    )  # fmt: skip
+    stopped = plain.generate(PROMPT, SamplingParams(**{**vars(base), "stop": [stop]}))
+    assert stopped.text == free.text[: free.text.index(stop)]
+    at_k = SamplingParams(**{**vars(base), "stop": [stop], "min_tokens": k + 1})
+    assert plain.generate(PROMPT, at_k).text == stopped.text  # token k is the (k + 1)-th
+    # once the text has run a stop string's length past it, it is out of the window searched
+    end = free.text.index(stop) + 2 * len(stop)
+    m = next(j for j in range(k + 2, 24) if len(plain.tokenizer.decode(free.token_ids[:j])) > end)
+    held = plain.generate(PROMPT, SamplingParams(**{**vars(base), "stop": [stop], "min_tokens": m}))
+    assert held.text == free.text and held.stats.finish_reason == "length"
+
+
 # -- lossless under processors ----------------------------------------------------------------
 
 PROCESSED = {
@@ -116,6 +137,17 @@ def speculative(tiny_pair):
         "ngram": Engine.from_pretrained(
             target=target, method="ngram", dtype="float32", num_speculative_tokens=4
         ),
+        "suffix": Engine.from_pretrained(
+            target=target, method="suffix", dtype="float32", num_speculative_tokens=4
+        ),
+        "hybrid": Engine.from_pretrained(
+            target=target,
+            draft=draft,
+            method="hybrid",
+            dtype="float32",
+            num_speculative_tokens=4,
+            hybrid_cost_ratio=0.25,
+        ),
     }
 
 
@@ -124,7 +156,7 @@ def greedy_outputs(engine, case: str) -> list[list[int]]:
     return [engine.generate(p, params).token_ids for p in PROMPTS]
 
 
-@pytest.mark.parametrize("method", ["draft", "ngram"])
+@pytest.mark.parametrize("method", ["draft", "ngram", "suffix", "hybrid"])
 @pytest.mark.parametrize("case", list(PROCESSED))
 def test_greedy_speculative_equals_plain_under_processors(speculative, plain, method, case):
     engine = speculative[method]

@@ -4,12 +4,14 @@ exactly the answer a one-at-a-time plain server gives.
 Real `understudy serve` processes on loopback (tiny models, float32: row-invariant passes):
 the batched one (method draft, --max-num-seqs 4) takes every request at once from client
 threads; the references take them one at a time: plain decoding (method none) for greedy
-requests, and the same speculative engine on one seat for seeded sampled ones (a seeded
+requests, and the batched server itself, alone, for seeded sampled ones (a seeded
 speculative run draws its own random numbers: its law is the target's, tested in
-test_batch.py, and batched it must be its solo run bit for bit). Greedy, sampled, penalised
-and constrained requests must match field for field; the shared passes show in /metrics. The in-process tests watch what needs the engine
-held: a disconnected stream frees its seat, a burst past the bound gets 429, a bad request
-in the batch fails alone, the Lab runs beside the batch.
+test_batch.py, and batched it must be its solo run bit for bit; another process would
+measure other costs at start and choose other round lengths, so other draws). Greedy,
+sampled, penalised and constrained requests must match field for field; the shared passes
+show in /metrics. The in-process tests watch what needs the engine held: a disconnected
+stream frees its seat, a burst past the bound gets 429, a bad request or an engine fault in
+the batch fails alone and gives its seat back, the Lab runs beside the batch.
 """
 
 from __future__ import annotations
@@ -46,13 +48,6 @@ def start(tiny_pair, tmp_path_factory, name: str, *args: str) -> ServerProcess:
 @pytest.fixture(scope="module")
 def batched(tiny_pair, tmp_path_factory):
     proc = start(tiny_pair, tmp_path_factory, "batched", "--max-num-seqs", str(SEATS))
-    yield proc
-    proc.stop()
-
-
-@pytest.fixture(scope="module")
-def solo(tiny_pair, tmp_path_factory):
-    proc = start(tiny_pair, tmp_path_factory, "solo", "--max-num-seqs", "1")
     yield proc
     proc.stop()
 
@@ -100,11 +95,11 @@ def answer(response) -> list[tuple]:
     ]
 
 
-def test_concurrent_requests_equal_their_one_at_a_time_answers(batched, solo, plain):
+def test_concurrent_requests_equal_their_one_at_a_time_answers(batched, plain):
     fast = client_of(batched)
     bodies = requests_of_every_kind(batched.model)
     expected = [  # one at a time
-        answer(client_of(plain if body["temperature"] == 0 else solo).completions.create(**body))
+        answer(client_of(plain if body["temperature"] == 0 else batched).completions.create(**body))
         for body in bodies
     ]
     with ThreadPoolExecutor(len(bodies)) as pool:  # all at once: they share the seats
@@ -243,3 +238,44 @@ def test_a_bad_request_in_the_batch_fails_alone(engine):
         for response in (first, last):
             assert response.status_code == 200
             assert response.json()["choices"][0]["text"] == want["choices"][0]["text"]
+
+
+def test_an_engine_fault_in_one_sequence_fails_it_alone_and_gives_its_seat_back(engine):
+    """A fault that is no client error (here: the prefill of one prompt raises) is that
+    request's 500; the others in the batch answer, and, more faults than seats later,
+    every seat still takes a sequence."""
+    app = create_app(engine)
+    name = app.state.model_name
+    marked = engine.encode("# fault")
+    prefill = engine._prefill
+
+    def faulty(prompt_ids, params, seat):
+        if list(prompt_ids) == marked:
+            raise RuntimeError("an engine fault")
+        return prefill(prompt_ids, params, seat)
+
+    good = {"model": name, "prompt": "def add(a, b):", "max_tokens": 12, "temperature": 0,
+            "ignore_eos": True}  # fmt: skip
+    engine._prefill = faulty
+    try:
+        with serve_in_thread(app) as url:
+            want = httpx.post(url + "/v1/completions", json=good, timeout=60).json()
+            bodies = [good, {**good, "prompt": "# fault"}] * (len(engine.batch.seats) + 1)
+            with ThreadPoolExecutor(4) as pool:
+                answers = list(
+                    pool.map(lambda b: httpx.post(url + "/v1/completions", json=b, timeout=60),
+                             bodies)
+                )  # fmt: skip
+            for body, response in zip(bodies, answers, strict=True):
+                if body is good:
+                    assert response.json()["choices"][0]["text"] == want["choices"][0]["text"]
+                else:
+                    assert response.status_code == 500, response.text
+            health = httpx.get(url + "/health").json()
+            assert (health["running"], health["waiting"]) == (0, 0)
+            every_seat = {**good, "n": len(engine.batch.seats), "temperature": 1.0, "seed": 1}
+            response = httpx.post(url + "/v1/completions", json=every_seat, timeout=60)
+            assert response.json()["usage"]["completion_tokens"] == 12 * len(engine.batch.seats)
+            assert len(engine.batch.free) == len(engine.batch.seats)
+    finally:
+        del engine._prefill  # the class's method again

@@ -143,6 +143,13 @@ def test_lone_surrogates_are_400s_naming_the_field(server):
             "messages[0].content",
         ),
         ("/lab/api/run", '{"mode": "spec", "prompt": "\\ud800"}', "prompt"),
+        (  # named as the client spells it ("schema", not the model's field "schema_")
+            "/v1/chat/completions",
+            f'{{"model": {name}, "messages": [{{"role": "user", "content": "x"}}], '
+            '"response_format": {"type": "json_schema", "json_schema": {"name": "a", '
+            '"schema": {"enum": ["\\ud800"]}}}}',
+            "response_format.json_schema.schema.enum[0]",
+        ),
     ]
     for path, text, param in cases:
         response = post_raw(server.url, path, text)
@@ -198,6 +205,67 @@ def test_a_chat_template_that_raises_is_a_400_naming_messages(strict_engine):
         lab = httpx.post(url + "/lab/api/run", json={"mode": "plain", "prompt": "x", "chat": True})
         assert lab.status_code == 200  # one user message: the template takes it
         assert httpx.get(url + "/health").json()["status"] == "ok"
+
+
+# a template that fails with no TemplateError, and one that refuses a lone user message
+FAILING_TEMPLATES = [
+    "{% for m in messages %}{{ m['content'] / 2 }}{% endfor %}",  # a TypeError
+    "{% if messages[0]['role'] != 'system' %}{{ raise_exception('a system message first') }}"
+    "{% endif %}{% for m in messages %}{{ m['content'] }}{% endfor %}",
+]
+
+
+@pytest.mark.parametrize("template", FAILING_TEMPLATES)
+def test_any_failure_of_the_template_is_a_400_on_v1_and_in_the_lab(tiny_pair, template):
+    from understudy.server import create_app
+
+    engine = Engine.from_pretrained(target=tiny_pair[0], method="none", dtype="float32")
+    engine.tokenizer.chat_template = template
+    with serve_in_thread(create_app(engine, model_name="t")) as url:
+        for stream in (False, True):
+            body = {"model": "t", "messages": [{"role": "user", "content": "hi"}],
+                    "max_tokens": 2, "stream": stream}  # fmt: skip
+            response = httpx.post(url + "/v1/chat/completions", json=body, timeout=60)
+            assert response.status_code == 400, response.text
+            assert response.json()["error"]["param"] == "messages"
+        run = {"mode": "plain", "prompt": "hi", "chat": True, "max_tokens": 2}
+        response = httpx.post(url + "/lab/api/run", json=run, timeout=60)
+        assert response.status_code == 400 and response.json()["error"]["param"] == "prompt"
+        health = httpx.get(url + "/health").json()
+        assert health["status"] == "ok" and (health["running"], health["waiting"]) == (0, 0)
+
+
+# --- constraints that leave no token to draw: a 400 naming them, and no seat lost --------
+
+VOCAB = 320  # the tiny tokenizer's
+CONTRADICTIONS = [
+    ({"repetition_penalty": 1e-300}, "repetition_penalty"),  # rounds to 0 as a divisor
+    ({"stop_token_ids": list(range(VOCAB)), "min_tokens": 2}, "min_tokens"),  # all tokens stop
+    ({"guided_choice": ["ab"], "stop_token_ids": list(range(1, VOCAB))}, "guided_choice"),
+]
+
+
+def test_constraints_that_leave_no_token_are_400s_and_free_their_seats(server, client):
+    """Each was a 500 that kept its seat and its place in /health's `waiting`: more of them
+    than there are seats, streamed or not, then a request that takes every seat."""
+    seats = httpx.get(server.url + "/health").json()["max_num_seqs"]
+    for _ in range(seats // (2 * len(CONTRADICTIONS)) + 1):
+        for extra, param in CONTRADICTIONS:
+            for stream in (False, True):
+                error = refused(
+                    lambda e=extra, s=stream: client.completions.create(
+                        model=NAME, prompt="def", max_tokens=4, temperature=0.8, stream=s,
+                        extra_body=e,
+                    )
+                )  # fmt: skip
+                assert error.status_code == 400 and error.body["param"] == param, error.body
+    health = httpx.get(server.url + "/health").json()
+    assert (health["running"], health["waiting"]) == (0, 0)
+    every_seat = client.completions.create(
+        model=NAME, prompt="def", max_tokens=3, n=seats, temperature=1.0, seed=1,
+        extra_body={"ignore_eos": True},
+    )  # fmt: skip
+    assert every_seat.usage.completion_tokens == 3 * seats
 
 
 # --- the Lab's API gets the same answers ------------------------------------------------

@@ -378,10 +378,70 @@ def test_refused_chat_parameters_are_named(client, kwargs, param):
     assert error.status_code == 400 and error.body["param"] == param, error.body
 
 
-def test_a_schema_that_does_not_compile_is_a_400(url):
-    body = {"model": "tiny", "prompt": "x", "guided_json": {"type": "nope"}}
+@pytest.mark.parametrize(
+    "extra, param",
+    [
+        ({"guided_json": {"type": "nope"}}, "guided_json"),
+        ({"guided_grammar": "root ::= ("}, "guided_grammar"),
+        ({"response_format": {"type": "json_schema", "json_schema": {"schema": {"type": 5}}}},
+         "response_format"),
+        ({"structured_outputs": {"regex": "(("}}, "structured_outputs"),
+    ],
+)  # fmt: skip
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_grammar_that_does_not_compile_is_a_400_naming_its_field(url, extra, param, stream):
+    body = {"model": "tiny", "prompt": "x", "stream": stream, **extra}
     response = httpx.post(url + "/v1/completions", json=body, timeout=60)
     assert response.status_code == 400 and "does not compile" in response.json()["error"]["message"]
+    assert response.json()["error"]["param"] == param
+
+
+@pytest.mark.parametrize(
+    "kwargs, param",
+    [
+        (dict(extra_body={"use_beam_search": True}), "use_beam_search"),
+        (dict(extra_body={"prompt_logprobs": 1}), "prompt_logprobs"),
+        (dict(extra_body={"skip_special_tokens": False}), "skip_special_tokens"),
+        (dict(extra_body={"allowed_token_ids": [1, 2]}), "allowed_token_ids"),
+        (dict(extra_body={"length_penalty": 0.5}), "length_penalty"),
+    ],
+)
+@pytest.mark.parametrize("endpoint", ["completions", "chat"])
+def test_fields_we_do_not_implement_are_refused_by_name(client, kwargs, param, endpoint):
+    """Known fields that would change the reply are refused, never silently ignored."""
+
+    def call():
+        if endpoint == "chat":
+            return chat(client, messages=MESSAGES, max_tokens=2, **kwargs)
+        return complete(client, prompt="x", max_tokens=2, **kwargs)
+
+    error = _error(call)
+    assert error.status_code == 400 and error.body["param"] == param, error.body
+
+
+@pytest.mark.parametrize(
+    "extra, param",
+    [
+        ({"functions": [{"name": "f", "parameters": {}}]}, "functions"),
+        ({"function_call": "auto"}, "function_call"),
+        ({"echo": True}, "echo"),
+        ({"chat_template_kwargs": {"enable_thinking": True}}, "chat_template_kwargs"),
+        ({"continue_final_message": True}, "continue_final_message"),
+        ({"modalities": ["text", "audio"]}, "modalities"),
+    ],
+)
+def test_chat_fields_we_do_not_implement_are_refused_by_name(client, extra, param):
+    error = _error(lambda: chat(client, messages=MESSAGES, max_tokens=2, extra_body=extra))
+    assert error.status_code == 400 and error.body["param"] == param, error.body
+
+
+def test_those_fields_asking_for_nothing_and_unknown_fields_are_accepted(client):
+    neutral = {"use_beam_search": False, "skip_special_tokens": True, "prompt_logprobs": None,
+               "echo": False, "modalities": ["text"], "function_call": "none",
+               "add_generation_prompt": True, "store": True, "metadata": {"a": "b"}}  # fmt: skip
+    want = chat(client, messages=MESSAGES, max_tokens=6, temperature=0.0)
+    got = chat(client, messages=MESSAGES, max_tokens=6, temperature=0.0, extra_body=neutral)
+    assert got.choices[0].message.content == want.choices[0].message.content
 
 
 def test_tools_need_a_template_that_renders_them(tiny_pair):
@@ -392,40 +452,24 @@ def test_tools_need_a_template_that_renders_them(tiny_pair):
     assert error.status_code == 400 and error.body["param"] == "tools"
 
 
-# --- parsing, unit level ------------------------------------------------------------------
-
-
-def test_auto_tool_calls_are_parsed_out_of_the_text():
-    from understudy.server.tools import parse_tool_calls
-
-    text = (
-        'Let me look.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo"}}\n'
-        "</tool_call>\n<tool_call>{not json}</tool_call>"
-    )
-    content, calls = parse_tool_calls(text)
-    assert [(c.name, json.loads(c.arguments)) for c in calls] == [("get_weather", {"city": "Oslo"})]
-    assert content == "Let me look.\n\n<tool_call>{not json}</tool_call>"
-    assert parse_tool_calls("no calls <tool_call> unclosed") == (
-        "no calls <tool_call> unclosed",
-        [],
-    )
-
-
-@pytest.mark.parametrize("step", [1, 3, 7, 1000])
-def test_streamed_tool_calls_equal_the_whole_parse(step):
-    """Whatever the deltas, the stream yields the same calls, and content never shows a
-    piece of a tag that turns out to open a call."""
-    from understudy.server.tools import ToolCallStream, parse_tool_calls
-
-    text = 'Sure. <tool_call>{"name": "f", "arguments": {"x": 1}}</tool_call> done <tool'
-    stream = ToolCallStream()
-    content, calls = "", []
-    for i in range(0, len(text), step):
-        piece, found = stream.push(text[i : i + step])
-        content += piece
-        calls += found
-        assert "<tool_call" not in content
-    content += stream.finish()
-    whole_content, whole_calls = parse_tool_calls(text)
-    assert [(c.name, c.arguments) for c in calls] == [(c.name, c.arguments) for c in whole_calls]
-    assert content.strip() == "Sure.  done <tool" and whole_content == "Sure.  done <tool"
+def test_auto_takes_a_call_written_in_a_code_block(client):
+    """Through the server, whole and streamed: the tiny model is held (guided_regex) to
+    the answer Qwen2.5-Coder gives, a call in a ```json block; tool_choice "auto" finds it."""
+    block = '```json\n{"name": "get_weather", "arguments": {"city": "Oslo", "days": false}}\n```'
+    regex = "".join("\\" + ch if ch in "{}[]().*+?^$|\\" else ch for ch in block)
+    kwargs = dict(messages=MESSAGES, tools=[WEATHER], max_tokens=80, temperature=0.0,
+                  extra_body={"guided_regex": regex})  # fmt: skip
+    choice = chat(client, **kwargs).choices[0]
+    assert choice.finish_reason == "tool_calls" and choice.message.content is None
+    (call,) = choice.message.tool_calls
+    assert (call.function.name, json.loads(call.function.arguments)) == (
+        "get_weather", {"city": "Oslo", "days": False}
+    )  # fmt: skip
+    calls, content, finish = [], "", None
+    for chunk in chat(client, stream=True, **kwargs):
+        for c in chunk.choices:
+            calls += [(d.function.name, d.function.arguments) for d in c.delta.tool_calls or []]
+            content += c.delta.content or ""
+            finish = c.finish_reason or finish
+    assert calls == [(call.function.name, call.function.arguments)]
+    assert content == "" and finish == "tool_calls"

@@ -16,6 +16,9 @@ MAX_LOGPROBS = 20  # alternatives per token, as vLLM's default limit
 # smallest normal float32 number the divisor would round to 0 (a NaN, not a distribution).
 MIN_TEMPERATURE = 2.0**-126
 MAX_SEED = 2**64 - 1  # torch.Generator.manual_seed takes 64 bits
+# repetition_penalty divides positive logits: a divisor that rounds to 0 in float32 would
+# make them inf (and the distribution NaN), so it stays within a factor 1e6 either way.
+REPETITION_PENALTY_RANGE = (1e-6, 1e6)
 
 
 class UnderstudyError(ValueError):
@@ -141,9 +144,11 @@ class SamplingParams:
             value = getattr(self, name)
             if not _is_real(value) or not -2.0 <= value <= 2.0:
                 raise UnderstudyError(f"{name} must be a number in [-2, 2], got {value!r}")
-        if not _is_real(self.repetition_penalty) or not 0.0 < self.repetition_penalty <= 1e6:
+        low, high = REPETITION_PENALTY_RANGE
+        if not _is_real(self.repetition_penalty) or not low <= self.repetition_penalty <= high:
             raise UnderstudyError(
-                f"repetition_penalty must be a number > 0 (1 = off), got {self.repetition_penalty!r}"
+                f"repetition_penalty must be a number in [{low:g}, {high:g}] (1 = off), "
+                f"got {self.repetition_penalty!r}"
             )
         for token, bias in (self.logit_bias or {}).items():
             if not _is_int(token) or token < 0:

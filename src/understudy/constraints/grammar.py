@@ -12,7 +12,9 @@ JSON schemas generate compact JSON (no optional whitespace: small models otherwi
 loop on it). Once the grammar is complete, only the stop tokens (EOS, stop_token_ids) are
 allowed. When the processors before this one leave nothing the grammar allows (min_tokens
 asking for more tokens than a finished grammar holds), the grammar wins: its allowed tokens
-become equally likely, so a row is never without a token.
+become equally likely, so a row is never without a token. A grammar that allows no token at
+all (stop_token_ids that take every token it could continue with) is the request's error,
+raised at the first row where it shows.
 """
 
 from __future__ import annotations
@@ -157,4 +159,9 @@ class GrammarProcessor(GeneratedTokens):
         """row: [V]; bits: [1, ceil(V/32)] -> 0 where the grammar allows, -inf elsewhere."""
         flat = torch.zeros(1, self.vocab_size)
         self._xgr.apply_token_bitmask_inplace(flat, bits, vocab_size=self.vocab_size)
+        if not torch.isfinite(flat).any():
+            raise UnderstudyError(
+                "structured output: the grammar allows no token here, as stop_token_ids take "
+                "every token that could continue it"
+            )
         return flat[0].to(row.dtype)

@@ -21,6 +21,11 @@ class MinTokens(GeneratedTokens):
                 f"stop_token_ids names token ids outside the vocabulary 0..{vocab_size - 1}: "
                 f"{outside[:5]}"
             )
+        if len(set(stop_ids)) == vocab_size:  # every row would be -inf: no token to draw
+            raise UnderstudyError(
+                f"min_tokens ({min_tokens}) cannot be met: EOS and stop_token_ids together name "
+                "every token of the vocabulary"
+            )
         self.min_tokens = min_tokens
         self.stop_ids = torch.tensor(sorted(set(stop_ids)), dtype=torch.long)
 

@@ -140,8 +140,8 @@ class BatchLoop:
             seat = self.free.pop()
             try:
                 self._start(sequence, seat)
-            except UnderstudyError as error:  # this request's fault (a grammar, a budget)
-                self.free.append(seat)
+            except Exception as error:  # this request's alone (a grammar, a budget, a fault)
+                self.free.append(seat)  # the seat goes back, whatever failed
                 self._fail(sequence, error)
                 continue
             self.running.append(sequence)
@@ -216,7 +216,7 @@ class BatchLoop:
             try:
                 draft_s, verify_s = t_verify - t_draft, t_done - t_verify
                 self._finish_round(sequence, proposal, raw.cpu(), draft_s, verify_s)
-            except UnderstudyError as error:  # this request's own (its grammar): it alone ends
+            except Exception as error:  # this request's own (its grammar): it alone ends
                 sequence.error = error
 
     def _finish_round(

@@ -3,7 +3,8 @@ would, however many tokens a round emits at once.
 
 Text ends at an EOS token or one of `stop_token_ids` (kept in token_ids, not in the text),
 after a stop string (cut from the text, or kept with include_stop_str_in_output), at
-max_tokens or at the end of the context. Everything is decided per token, in order, so a
+max_tokens or at the end of the context. Before `min_tokens` tokens no stop string is looked
+for (as vLLM does; the stop tokens are masked then, constraints/min_tokens.py). Everything is decided per token, in order, so a
 round of five tokens ending at its third is cut after the third, as plain decoding would be.
 """
 
@@ -52,6 +53,7 @@ class Emitter:
         if not params.ignore_eos:
             self.ends |= set(eos_token_ids)
         self.stop = params.stop
+        self.min_tokens = params.min_tokens
         self.keep_stop = params.include_stop_str_in_output
         self.budget = budget
         self.detok = IncrementalDetokenizer(tokenizer)
@@ -79,7 +81,7 @@ class Emitter:
                 return
             self.token_ids.append(token_id)
             delta = self.detok.push(token_id)
-            if self.stop and delta:
+            if self.stop and delta and len(self.token_ids) >= self.min_tokens:
                 delta = self._cut_at_stop(delta)
             self.text += delta
             if token_id in self.ends:

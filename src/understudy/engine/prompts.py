@@ -4,8 +4,6 @@ from __future__ import annotations
 
 from typing import Any
 
-from jinja2 import TemplateError  # transformers renders chat templates with jinja2
-
 from understudy.config import UnderstudyError, is_unicode_text
 
 Prompt = str | list[int] | list[dict[str, str]]
@@ -51,7 +49,8 @@ def apply_chat_template(tokenizer: Any | None, messages: list[dict[str, str]]) -
         out = tokenizer.apply_chat_template(
             messages, add_generation_prompt=True, tokenize=True, return_dict=True
         )
-    except TemplateError as error:  # many templates raise on a role order they refuse
+    except Exception as error:  # a template is the model's code, run on the caller's messages:
+        # many raise on a role order they refuse, and some fail with a TypeError instead
         raise UnderstudyError(f"the model's chat template refused the messages: {error}") from None
     return list(out["input_ids"])
 

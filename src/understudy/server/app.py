@@ -34,7 +34,12 @@ from understudy.server.generation import account, batched_work, generation_work
 from understudy.server.guard import DEFAULT_BODY_TIMEOUT_S, Guard, api_key_problem
 from understudy.server.logprobs import TokenStrings
 from understudy.server.metrics import CONTENT_TYPE, Metrics
-from understudy.server.openapi import error_responses, event_stream, plain_text
+from understudy.server.openapi import (
+    error_responses,
+    event_stream,
+    plain_text,
+    request_examples,
+)
 from understudy.server.prepare import Plan, plan_chat, plan_completion
 from understudy.server.protocol import (
     SSE_HEADERS,
@@ -202,7 +207,7 @@ def create_app(
     ) -> Response:
         prompt_param = "messages" if chat else "prompt"
         explicit = body.max_tokens is not None
-        parts = (engine, plan.render, plan.choices, explicit, prompt_param)
+        parts = (engine, plan.render, plan.choices, explicit, prompt_param, plan.param)
         if batched:
             job = submit(batched_work(*parts), len(plan.choices), in_batch=True)
         else:
@@ -219,9 +224,17 @@ def create_app(
             response_id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
             assembly = Assembly(plan.shape, len(plan.choices), strings, response_id, name)
             if body.stream:
+                # The stream starts with the first token, so a request the engine refuses
+                # before it (a grammar that does not compile, constraints that leave no
+                # token) is a 4xx too, not a 200 whose one event is the error.
+                second = await anext(events, None)
+                if second is None or second[0] == "cancelled":
+                    return Response(status_code=499)
+                if second[0] == "error":
+                    raise as_api_error(second[1])
                 streaming = True  # stream_chunks owns `events` from here on
                 return StreamingResponse(
-                    stream_chunks(events, job, body, assembly, prompt_tokens),
+                    stream_chunks(_after(second, events), job, body, assembly, prompt_tokens),
                     media_type="text/event-stream",
                     headers=SSE_HEADERS,
                 )
@@ -274,7 +287,11 @@ def create_app(
         **error_responses(400, *auth, 404, 408, 413, 422, 429, 500),
     }
 
-    @app.post("/v1/completions", responses=generating)
+    @app.post(
+        "/v1/completions",
+        responses=generating,
+        openapi_extra=request_examples(name, chat=False),
+    )
     async def completions(body: CompletionRequest, request: Request) -> Response:
         refuse_lone_surrogates(body)
         body.check_supported()
@@ -282,7 +299,11 @@ def create_app(
         plan = plan_completion(body, engine, COMPLETIONS_DEFAULT_MAX_TOKENS)
         return await generate(request, body, plan, chat=False)
 
-    @app.post("/v1/chat/completions", responses=generating)
+    @app.post(
+        "/v1/chat/completions",
+        responses=generating,
+        openapi_extra=request_examples(name, chat=True),
+    )
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
         refuse_lone_surrogates(body)
         body.check_supported()
@@ -303,6 +324,16 @@ def create_app(
         body_timeout_s=body_timeout_s,
     )
     return app
+
+
+async def _after(first: Any, rest: AsyncIterator[Any]) -> AsyncIterator[Any]:
+    """`first`, then the items of `rest` (closed with this iterator)."""
+    try:
+        yield first
+        async for item in rest:
+            yield item
+    finally:
+        await rest.aclose()
 
 
 def served_name(target: str) -> str:

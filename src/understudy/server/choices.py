@@ -1,11 +1,12 @@
 """The choices of a response, assembled from the engine's events, streamed or whole.
 
-A request with `n` choices runs n generations one after another (generation.py); events
-carry the choice's index. `Choice` keeps one choice's state: the text held back while it
-may still become a stop string (StopHoldback), its logprobs (logprobs.py) and its tool calls
-(tools.py). Streaming, `on_token` / `on_done` return the chunk choices to send now; whole,
-`whole` returns the response's choice. Streamed logprobs travel with the next chunk that
-carries text, so every token's entry is sent once, in order, by the last chunk.
+A request with `n` choices runs n sequences (generation.py: together on the seats, or one
+after another on a one-seat engine); events carry the choice's index. `Choice` keeps one
+choice's state: the text held back while it may still become a stop string (StopHoldback),
+its logprobs (logprobs.py) and its tool calls (tools.py). Streaming, `on_token` /
+`on_done` return the chunk choices to send now; whole, `whole` returns the response's
+choice. Streamed logprobs travel with the next chunk that carries text, so every token's
+entry is sent once, in order, by the last chunk.
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ class Shape:
     logprobs: bool = False  # include logprobs (the engine computes them when asked)
     tool_mode: str = "off"  # "off", "none", "auto", "required" or "named" (tools.py)
     tool_name: str | None = None  # the named function
+    tool_names: tuple[str, ...] = ()  # every tool's name ("auto" takes untagged calls of these)
     echo: str = ""  # completions' echo: the prompt's text, sent before the completion
 
 
@@ -42,7 +44,8 @@ class Choice:
         self.shape = shape
         self.strings = strings
         self.holdback = StopHoldback(shape.stop)
-        self.tools = ToolCallStream() if shape.chat and shape.tool_mode == "auto" else None
+        auto = shape.chat and shape.tool_mode == "auto"
+        self.tools = ToolCallStream(shape.tool_names) if auto else None
         self.events: list[Any] = []  # with logprobs: every token's event
         self.offsets: list[int] = []  # completions: where each token's text starts
         self.sent_events = 0  # events whose logprobs have been sent (streaming)
@@ -94,7 +97,8 @@ class Choice:
         if self.tools is not None:
             content, found = self.tools.push(text)
             if final:
-                content += self.tools.finish()
+                rest, more = self.tools.finish()
+                content, found = content + rest, found + more
             text, calls = content, found + calls
         if self.prefix and (text or final):
             text, self.prefix = self.prefix + text, ""
@@ -153,7 +157,7 @@ class Choice:
         content: str | None = output.text
         calls: list[ToolCall] = []
         if self.shape.tool_mode == "auto":
-            content, calls = parse_tool_calls(output.text)
+            content, calls = parse_tool_calls(output.text, self.shape.tool_names)
         elif self.shape.tool_mode in ("named", "required"):
             calls = constrained_calls(output.text, self.shape.tool_mode, self.shape.tool_name)
         message: dict[str, Any] = {"role": "assistant", "content": content}

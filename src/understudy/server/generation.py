@@ -92,13 +92,15 @@ def generation_work(
     choices: list[SamplingParams],
     explicit_max_tokens: bool,
     prompt_param: str,
+    error_param: str | None = None,
 ) -> Callable[[Job], None]:
     """The worker-thread side of a /v1 request with len(choices) choices. Emits "start"
     ({"prompt_tokens", "prompt_ids"}); then for each choice i a "token" (i, TokenEvent) per
     token and "choice" (i, GenerationOutput); then "done" (the outputs) -- or "error" /
     "cancelled". `render` makes the prompt here, on the worker thread. An UnderstudyError
     from the engine (a token id outside the vocabulary, a grammar that does not compile) is
-    the client's error: a 400 naming the field."""
+    the client's error: a 400 naming the field (`error_param` when its message names
+    none)."""
 
     def work(job: Job) -> None:
         ids = start(job, engine, render, choices[0], explicit_max_tokens, prompt_param)
@@ -111,7 +113,7 @@ def generation_work(
                 for event in until_cancelled(stream, job):
                     job.emit("token", (index, event))
             except UnderstudyError as error:
-                job.emit("error", error_from_understudy(error))
+                job.emit("error", error_from_understudy(error, error_param))
                 return
             if job.cancelled.is_set():
                 job.emit("cancelled", stream.output)
@@ -129,6 +131,7 @@ def batched_work(
     choices: list[SamplingParams],
     explicit_max_tokens: bool,
     prompt_param: str,
+    error_param: str | None = None,
 ) -> Callable[[Job], None]:
     """`generation_work`'s events, for the batch loop: the worker thread calls the returned
     function once; it emits "start" and submits one sequence per choice (`job.sequences`),
@@ -161,7 +164,7 @@ def batched_work(
 
         def on_error(error: Exception) -> None:
             if isinstance(error, UnderstudyError):
-                job.emit("error", error_from_understudy(error))
+                job.emit("error", error_from_understudy(error, error_param))
             else:
                 job.emit("error", error)
             for sequence in job.sequences:

@@ -29,7 +29,7 @@ from understudy.drafters.base import Drafter, Proposal
 from understudy.engine.request import Seat
 from understudy.server.generation import account, encode_for_budget, until_cancelled
 from understudy.server.metrics import Metrics
-from understudy.server.openapi import error_responses, event_stream
+from understudy.server.openapi import body_examples, error_responses, event_stream
 from understudy.server.protocol import (
     SSE_HEADERS,
     APIError,
@@ -254,6 +254,13 @@ def add_lab_routes(
             **event_stream("The run's events: start, a token each, then done (or error)"),
             **error_responses(400, *auth, 408, 413, 422, 429, 500),
         },
+        openapi_extra=body_examples(
+            spec=("Speculative", {"mode": "spec", "prompt": "def add(a, b):", "max_tokens": 8}),
+            plain=(
+                "Plain decoding, sampled",
+                {"mode": "plain", "prompt": "def", "temperature": 0.7, "seed": 1, "max_tokens": 8},
+            ),
+        ),
     )
     async def lab_run(run: LabRun, request: Request) -> StreamingResponse:
         refuse_lone_surrogates(run)

@@ -62,6 +62,33 @@ def event_stream(description: str) -> dict[int | str, dict[str, Any]]:
     }
 
 
+def body_examples(**examples: tuple[str, dict[str, Any]]) -> dict[str, Any]:
+    """A route's `openapi_extra`: named examples (summary, body) of its JSON request body,
+    which a client can send as they are (a fuzzer such as schemathesis mixes them into what
+    it sends)."""
+    named = {
+        name: {"summary": summary, "value": body} for name, (summary, body) in examples.items()
+    }
+    return {"requestBody": {"content": {"application/json": {"examples": named}}}}
+
+
+def request_examples(model: str, chat: bool) -> dict[str, Any]:
+    """Examples of a /v1 request body, naming the served model."""
+    prompt: dict[str, Any] = (
+        {"messages": [{"role": "user", "content": "Say hello."}]}
+        if chat
+        else {"prompt": "def add(a, b):"}
+    )
+    base = {"model": model, **prompt, "max_tokens": 8}
+    return body_examples(
+        greedy=("Greedy", {**base, "temperature": 0}),
+        sampled=(
+            "Seeded sampling, two choices, streamed",
+            {**base, "temperature": 0.8, "seed": 1, "n": 2, "stream": True},
+        ),
+    )
+
+
 def plain_text(description: str) -> dict[int | str, dict[str, Any]]:
     return {
         200: {"description": description, "content": {"text/plain": {"schema": {"type": "string"}}}}

@@ -3,6 +3,8 @@
 `Plan.render` produces the engine's prompt on the worker thread (the one thread that uses
 the tokenizer for encoding): the body's prompt or messages, or, with tools, the model's chat
 template rendered with them (tools.py). `Plan.choices` holds one SamplingParams per choice.
+`Plan.param` is the field an engine error names when its message does not start with one:
+the structured output's (a grammar that does not compile, or that allows no token).
 """
 
 from __future__ import annotations
@@ -24,10 +26,12 @@ class Plan:
     render: Callable[[], Any]  # -> a prompt Engine.encode takes
     choices: list[SamplingParams]
     shape: Shape
+    param: str | None = None
 
 
 def plan_completion(body: CompletionRequest, engine: Any, default_max_tokens: int) -> Plan:
-    params = body.sampling_params(default_max_tokens, structured_spec(body))
+    structured, param = structured_spec(body) or (None, None)
+    params = body.sampling_params(default_max_tokens, structured, param)
     prompt = body.engine_prompt()
     echo = ""
     if body.echo:
@@ -38,12 +42,12 @@ def plan_completion(body: CompletionRequest, engine: Any, default_max_tokens: in
         else:
             echo = engine.tokenizer.decode(prompt)
     shape = Shape(chat=False, stop=params.stop, logprobs=params.logprobs is not None, echo=echo)
-    return Plan(lambda: prompt, choice_params(params, body.n), shape)
+    return Plan(lambda: prompt, choice_params(params, body.n), shape, param)
 
 
 def plan_chat(body: ChatCompletionRequest, engine: Any, default_max_tokens: int) -> Plan:
     mode = tool_mode(body)
-    structured = structured_spec(body)
+    structured, param = structured_spec(body) or (None, None)
     constraint = tool_constraint(body, mode)
     if structured is not None and constraint is not None:
         raise APIError(
@@ -52,7 +56,9 @@ def plan_chat(body: ChatCompletionRequest, engine: Any, default_max_tokens: int)
             "it cannot be combined with response_format or guided_* fields",
             "tool_choice",
         )
-    params = body.sampling_params(default_max_tokens, structured or constraint)
+    if constraint is not None:
+        param = "tools"  # the grammar is made from a tool's parameters
+    params = body.sampling_params(default_max_tokens, structured or constraint, param)
     named = body.tool_choice.function.name if mode == "named" else None  # type: ignore[union-attr]
     shape = Shape(
         chat=True,
@@ -60,9 +66,14 @@ def plan_chat(body: ChatCompletionRequest, engine: Any, default_max_tokens: int)
         logprobs=params.logprobs is not None,
         tool_mode=mode,
         tool_name=named,
+        tool_names=tuple(tool.function.name for tool in body.tools or []),
     )
     tool_history = any(m.tool_calls or m.tool_call_id for m in body.messages)
     if mode == "off" and not tool_history:
         messages = body.engine_prompt()
-        return Plan(lambda: messages, choice_params(params, body.n), shape)
-    return Plan(lambda: render_prompt(engine.tokenizer, body), choice_params(params, body.n), shape)
+        return Plan(lambda: messages, choice_params(params, body.n), shape, param)
+
+    def render() -> list[int]:
+        return render_prompt(engine.tokenizer, body)
+
+    return Plan(render, choice_params(params, body.n), shape, param)

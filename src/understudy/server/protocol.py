@@ -4,10 +4,12 @@ Requests follow OpenAI's `/v1/completions` and `/v1/chat/completions` schemas, p
 sampling extras (`top_k`, `min_p`, `ignore_eos`, `repetition_penalty`, `min_tokens`,
 `stop_token_ids`, `include_stop_str_in_output`, `guided_json` / `guided_regex` /
 `guided_grammar` / `guided_choice`, `structured_outputs`). Every field is honoured with
-speculation on, or refused with a 400 that names it; fields we do not know at all are
-ignored, as vLLM does. `n` > 1 runs n generations one after another, choice i seeded with
-seed + i when a seed is given. Logprobs are the target's log-softmax of its raw logits
-(before penalties, bias, grammar and temperature: vLLM's default "raw_logprobs").
+speculation on, or refused with a 400 that names it: the known fields we do not implement
+are listed in refused.py; fields we do not know at all are ignored, as vLLM does. `n` > 1
+runs n sequences (together on the engine's seats, or one after another on a one-seat
+engine), choice i seeded with seed + i when a seed is given. Logprobs are the target's
+log-softmax of its raw logits (before penalties, bias, grammar and temperature: vLLM's
+default "raw_logprobs").
 
 Errors use OpenAI's envelope, so the official clients raise the right exception:
 
@@ -17,12 +19,13 @@ Errors use OpenAI's envelope, so the official clients raise the right exception:
 from __future__ import annotations
 
 import json
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 from fastapi.exceptions import RequestValidationError
 from pydantic import BaseModel, ConfigDict, Field
 
 from understudy.config import SamplingParams, StructuredSpec, UnderstudyError
+from understudy.server.refused import refused_field
 from understudy.server.request_parts import (
     NamedToolChoice,
     ResponseFormat,
@@ -139,9 +142,11 @@ class StreamOptions(BaseModel):
 
 
 class _SamplingRequest(BaseModel):
-    """Fields shared by both endpoints."""
+    """Fields shared by both endpoints. Unknown fields are kept (`model_extra`) only to be
+    checked against refused.py's table."""
 
-    model_config = _STRICT
+    model_config = ConfigDict(strict=True, allow_inf_nan=False, extra="allow")
+    is_chat: ClassVar[bool] = False
 
     model: str
     max_tokens: int | None = None
@@ -176,6 +181,9 @@ class _SamplingRequest(BaseModel):
 
     def check_supported(self) -> None:
         """Refuse what the engine cannot do, naming the field."""
+        refused = refused_field(self.model_extra, chat=self.is_chat)
+        if refused is not None:
+            raise APIError(400, refused[1], refused[0])
         if not 1 <= self.n <= MAX_N:
             raise APIError(400, f"n must be an integer in 1..{MAX_N}, got {self.n}", "n")
         if isinstance(self.stop, list) and len(self.stop) > 4:
@@ -186,10 +194,14 @@ class _SamplingRequest(BaseModel):
             )
 
     def sampling_params(
-        self, default_max_tokens: int, structured: StructuredSpec | None = None
+        self,
+        default_max_tokens: int,
+        structured: StructuredSpec | None = None,
+        structured_param: str | None = None,
     ) -> SamplingParams:
         """The engine's SamplingParams (OpenAI defaults: temperature 1, top_p 1); the
-        structured output comes from `structured_spec` (server/structured.py)."""
+        structured output comes from `structured_spec` (server/structured.py), asked for by
+        the field `structured_param`."""
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
         bias = None
         if self.logit_bias:
@@ -222,7 +234,7 @@ class _SamplingRequest(BaseModel):
                 structured=structured,
             )
         except UnderstudyError as error:
-            raise error_from_understudy(error) from None
+            raise error_from_understudy(error, structured_param) from None
 
     @property
     def include_usage_chunk(self) -> bool:
@@ -282,6 +294,8 @@ class ChatMessage(BaseModel):
 
 class ChatCompletionRequest(_SamplingRequest):
     """POST /v1/chat/completions."""
+
+    is_chat: ClassVar[bool] = True
 
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = None  # the newer name for max_tokens

@@ -21,9 +21,10 @@ def _schema(value: dict[str, Any] | str, param: str) -> dict[str, Any] | str:
     return value
 
 
-def structured_spec(body: Any) -> StructuredSpec | None:
+def structured_spec(body: Any) -> tuple[StructuredSpec, str] | None:
     """The one structured-output request in `body` (its response_format, guided_json,
-    guided_regex, guided_grammar, guided_choice or structured_outputs), or None."""
+    guided_regex, guided_grammar, guided_choice or structured_outputs) and the field that
+    asked for it (which an error about the grammar names), or None."""
     asked: list[tuple[str, dict[str, Any]]] = []
     fmt: ResponseFormat | None = body.response_format
     if fmt is not None and fmt.type == "json_object":
@@ -62,6 +63,6 @@ def structured_spec(body: Any) -> StructuredSpec | None:
         raise APIError(400, f"give one structured output, got {names}", asked[1][0])
     param, fields = asked[0]
     try:
-        return StructuredSpec(**fields)
+        return StructuredSpec(**fields), param
     except UnderstudyError as error:
         raise APIError(400, f"{param}: {error}", param) from None

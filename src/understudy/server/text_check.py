@@ -38,7 +38,7 @@ def lone_surrogate_at(value: Any, path: str = "") -> str | None:
 
 def refuse_lone_surrogates(body: BaseModel) -> None:
     """Raise a 400 naming the first field whose text holds a lone surrogate."""
-    param = lone_surrogate_at(body.model_dump(exclude_unset=True))
+    param = lone_surrogate_at(body.model_dump(exclude_unset=True, by_alias=True))
     if param is not None:
         raise APIError(
             400,

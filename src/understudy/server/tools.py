@@ -5,7 +5,8 @@
   the model would never see them.
 - tool_choice "none": tools are in the prompt, the output is plain content. "auto" (the
   default with tools): the output is parsed for the Qwen2.5 family's calls,
-  `<tool_call>{"name": ..., "arguments": {...}}</tool_call>`. A named function: the output is
+  `<tool_call>{"name": ..., "arguments": {...}}</tool_call>`, or the same object in a code
+  block or alone, as Qwen2.5-Coder writes them (ToolCallStream). A named function: the output is
   constrained to a JSON object valid for its parameters, and becomes that call's arguments.
   "required": the output is constrained to a JSON array of {"name", "parameters"} objects,
   one per call (vLLM's format for both), at most one when parallel_tool_calls is false.
@@ -16,6 +17,7 @@ from __future__ import annotations
 import json
 import re
 import uuid
+from collections.abc import Collection
 from dataclasses import dataclass
 from typing import Any
 
@@ -23,7 +25,8 @@ from understudy.config import StructuredSpec
 from understudy.server.protocol import APIError, ChatCompletionRequest
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
-_CALL = re.compile(re.escape(OPEN) + r"\s*(.*?)\s*" + re.escape(CLOSE), re.DOTALL)
+FENCE = "```"
+_FENCED = re.compile(r"```[\w-]*[ \t]*\n?(.*?)(?:```)?\s*", re.DOTALL)  # a code block
 
 
 @dataclass(frozen=True)
@@ -168,31 +171,38 @@ def render_prompt(tokenizer: Any, body: ChatCompletionRequest) -> list[int]:
     return ids
 
 
-def parse_tool_calls(text: str) -> tuple[str, list[ToolCall]]:
-    """ "auto": the content outside <tool_call> blocks, and the calls in them. A block whose
-    JSON does not parse, or has no string "name", stays in the content."""
-    calls: list[ToolCall] = []
-    kept: list[str] = []
-    last = 0
-    for match in _CALL.finditer(text):
-        call = _call_from_json(match.group(1))
-        if call is None:
-            continue
-        kept.append(text[last : match.start()])
-        last = match.end()
-        calls.append(call)
-    kept.append(text[last:])
-    return "".join(kept).strip() if calls else text, calls
+def parse_tool_calls(text: str, names: Collection[str] = ()) -> tuple[str, list[ToolCall]]:
+    """ "auto": the content beside the calls, and the calls (ToolCallStream's rules, on the
+    whole text at once). Without calls the content is the text as it is."""
+    stream = ToolCallStream(names)
+    content, calls = stream.push(text)
+    rest, more = stream.finish()
+    calls += more
+    return ((content + rest).strip(), calls) if calls else (text, [])
 
 
-def _call_from_json(text: str) -> ToolCall | None:
+def _call_from_json(text: str, names: Collection[str] | None = None) -> ToolCall | None:
+    """The call in `text`, a JSON object {"name", "arguments"}, or None. With `names` (the
+    untagged forms) the name must be one of the request's tools and the arguments an object
+    (vLLM's "parameters" key is taken too), so that ordinary JSON is never taken for a call."""
     try:
         value = json.loads(text)
     except ValueError:
         return None
     if not isinstance(value, dict) or not isinstance(value.get("name"), str):
         return None
-    return new_call(value["name"], value.get("arguments", {}))
+    if names is None:
+        return new_call(value["name"], value.get("arguments", {}))
+    arguments = value.get("arguments", value.get("parameters"))
+    if value["name"] not in names or not isinstance(arguments, dict):
+        return None
+    return new_call(value["name"], arguments)
+
+
+def _fenced_call(block: str, names: Collection[str]) -> ToolCall | None:
+    """The call in a Markdown code block (```json ... ```, closed or not), or None."""
+    match = _FENCED.fullmatch(block)
+    return None if match is None else _call_from_json(match.group(1).strip(), names)
 
 
 def constrained_calls(text: str, mode: str, name: str | None) -> list[ToolCall]:
@@ -208,53 +218,93 @@ def constrained_calls(text: str, mode: str, name: str | None) -> list[ToolCall]:
 
 
 class ToolCallStream:
-    """ "auto" while streaming: text deltas in, (content delta, finished calls) out. Text that
-    might be the start of "<tool_call>" waits until the next delta settles it; a call is
-    sent whole once its closing tag has arrived."""
+    """ "auto" while streaming: text deltas in, (content delta, finished calls) out.
 
-    def __init__(self) -> None:
+    A call is `<tool_call>{"name": ..., "arguments": {...}}</tool_call>` (the Qwen2.5 chat
+    template's format, any name) or, as the Qwen2.5-Coder models often write it instead,
+    the same object in a Markdown code block or as the whole output, naming one of the
+    request's tools (`names`; llama.cpp's parser for this family takes the same forms).
+    Text that might be the start of a tag or a code block waits until the next delta settles
+    it; a code block, or an output that starts with "{", is held until it is complete, and
+    is content unless it is a call. A call is sent whole once it has ended."""
+
+    def __init__(self, names: Collection[str] = ()) -> None:
+        self.names = frozenset(names)
         self.buffer = ""
-        self.in_call = False
+        self.state = "text"  # "text", "tag" (in <tool_call>), "fence" (in ```), "bare"
+        self.spoke = False  # content other than white space has been sent
         self.calls = 0
 
     def push(self, delta: str) -> tuple[str, list[ToolCall]]:
         self.buffer += delta
         content, calls = "", []
         while True:
-            if self.in_call:
+            if self.state == "tag":
                 end = self.buffer.find(CLOSE)
                 if end < 0:
                     return content, calls
-                body = self.buffer[:end]
-                self.buffer = self.buffer[end + len(CLOSE) :]
-                self.in_call = False
+                body, self.buffer = self.buffer[:end], self.buffer[end + len(CLOSE) :]
+                self.state = "text"
                 call = _call_from_json(body.strip())
-                if call is None:
-                    content += OPEN + body + CLOSE
-                else:
-                    calls.append(call)
-                    self.calls += 1
+                content += self._said(OPEN + body + CLOSE) if call is None else ""
+                calls += [call] if call is not None else []
                 continue
-            start = self.buffer.find(OPEN)
-            if start >= 0:
-                content += self.buffer[:start]
-                self.buffer = self.buffer[start + len(OPEN) :]
-                self.in_call = True
+            if self.state == "fence":
+                end = self.buffer.find(FENCE, len(FENCE))
+                if end < 0:
+                    return content, calls
+                block, self.buffer = self.buffer[: end + 3], self.buffer[end + 3 :]
+                self.state = "text"
+                call = _fenced_call(block, self.names)
+                content += self._said(block) if call is None else ""
+                calls += [call] if call is not None else []
                 continue
-            held = next(
-                (
-                    n
-                    for n in range(min(len(OPEN) - 1, len(self.buffer)), 0, -1)
-                    if self.buffer.endswith(OPEN[:n])
-                ),
-                0,
-            )
-            content += self.buffer[: len(self.buffer) - held]
+            if self.state == "bare":
+                return content, calls  # settled by `finish`
+            if self.names and not self.spoke:
+                first = self.buffer.lstrip()[:1]
+                if not first:
+                    return content, calls  # only white space so far: it waits
+                if first == "{":
+                    self.state = "bare"
+                    continue
+            openers = [(self.buffer.find(OPEN), "tag")]
+            if self.names:
+                openers.append((self.buffer.find(FENCE), "fence"))
+            found = [(i, state) for i, state in openers if i >= 0]
+            if found:
+                i, state = min(found)
+                content += self._said(self.buffer[:i])
+                skip = len(OPEN) if state == "tag" else 0  # a fence stays in the block
+                self.buffer, self.state = self.buffer[i + skip :], state
+                continue
+            held = max(_prefix_held(self.buffer, OPEN), _prefix_held(self.buffer, FENCE))
+            content += self._said(self.buffer[: len(self.buffer) - held])
             self.buffer = self.buffer[len(self.buffer) - held :]
             return content, calls
 
-    def finish(self) -> str:
-        """Whatever is left is content (an unclosed call included)."""
-        rest = (OPEN if self.in_call else "") + self.buffer
-        self.buffer, self.in_call = "", False
-        return rest
+    def finish(self) -> tuple[str, list[ToolCall]]:
+        """What is left: an unclosed tag or code block, or a whole output that is no call,
+        is content; a whole output, or an unclosed code block, that is a call is a call."""
+        rest, state = self.buffer, self.state
+        self.buffer, self.state = "", "text"
+        call = None
+        if state == "bare":
+            call = _call_from_json(rest.strip(), self.names)
+        elif state == "fence":
+            call = _fenced_call(rest, self.names)
+        if call is not None:
+            return "", [call]
+        return (OPEN + rest if state == "tag" else rest), []
+
+    def _said(self, text: str) -> str:
+        self.spoke = self.spoke or bool(text.strip())
+        return text
+
+
+def _prefix_held(text: str, opener: str) -> int:
+    """The length of the longest end of `text` that is a proper start of `opener`."""
+    for n in range(min(len(opener) - 1, len(text)), 0, -1):
+        if text.endswith(opener[:n]):
+            return n
+    return 0
