@@ -218,9 +218,10 @@ class LlamaCppPeer:
         about: dict[str, dict[str, Any]] = {}
         for label in self.methods:
             k = draft_max(label)
+            program = self.programs.completion if k is None else self.programs.speculative
             about[label] = {
                 "method": label,
-                "program": str(self.programs.speculative.name),
+                "program": program.name,
                 "target_file": self.target.name,
                 "draft_file": self.draft.name if k is not None and self.draft else None,
                 "draft_max": k or None,  # None: llama.cpp's default
