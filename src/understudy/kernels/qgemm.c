@@ -49,7 +49,7 @@
 #define T_Q6_K 14
 
 #define TILE 32 /* rows per pass over the weights */
-#define SERIAL_BELOW 4e6 /* multiply-adds: smaller calls run on one thread (no fork/join) */
+#define SERIAL_BELOW 1e6 /* multiply-adds: smaller calls run on one thread (no fork/join) */
 
 static float half_to_float(uint16_t h) {
 #if QG_AVX2 && defined(__F16C__)
