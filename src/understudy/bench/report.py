@@ -25,8 +25,8 @@ NOTES = (
     "accepted length (bonus/correction included); accept @i: share of rounds whose i-th "
     "drafted token was kept; c: one drafted token's cost / one target pass, measured; "
     "identical: outputs equal to plain greedy decoding (ours; llama.cpp's rows: to "
-    "llama.cpp-plain's text). llama.cpp's rows are its llama-speculative-simple on the same "
-    "GGUF files and prompts, timed by itself."
+    "llama.cpp-plain's text). llama.cpp's rows are its llama-completion (plain) and "
+    "llama-speculative-simple (draft) on the same GGUF files and prompts, timed by themselves."
 )
 
 

@@ -50,15 +50,17 @@ def bench(
         typer.Option(
             help="hf: also run transformers' generate() plain, with assistant_model= and with "
             "prompt_lookup_num_tokens= on the same weights; or a comma list of hf-plain, "
-            "hf-assisted, hf-lookup. llama.cpp: also run llama.cpp's llama-speculative-simple "
-            "(llama.cpp-plain, llama.cpp-draft, llama.cpp-draft:k=N; greedy) and llama-bench "
+            "hf-assisted, hf-lookup. llama.cpp: also run llama.cpp's llama-completion "
+            "(llama.cpp-plain) and llama-speculative-simple (llama.cpp-draft, "
+            "llama.cpp-draft:k=N; greedy) and llama-bench "
             "on the same GGUF files; it needs those programs built (see --llama-cpp-bin)."
         ),
     ] = None,
     llama_cpp_bin: Annotated[
         str | None,
         typer.Option(
-            help="Folder of llama.cpp's llama-bench and llama-speculative-simple (build them "
+            help="Folder of llama.cpp's llama-bench, llama-completion and "
+            "llama-speculative-simple (build them "
             "from llama.cpp's sources with cmake). Default: $UNDERSTUDY_LLAMA_CPP_BIN, else "
             "<cache>/llama.cpp/bin, else PATH."
         ),
