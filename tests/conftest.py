@@ -14,6 +14,18 @@ import torch
 TINY_VOCAB = 320
 
 
+@pytest.fixture(scope="module")
+def one_thread():
+    """Tiny models run their passes fastest on one thread, and on a busy 2-core machine
+    OpenMP's barrier makes each pass wait for a descheduled second thread; no result checked
+    with it depends on the thread count. Modules that want it say
+    `pytestmark = pytest.mark.usefixtures("one_thread")`."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 def make_tiny_tokenizer(out_dir: Path) -> None:
     """A small byte-level BPE tokenizer trained on a few lines of code (no network)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers

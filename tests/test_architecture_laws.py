@@ -48,13 +48,7 @@ MIN_NONCENTRALITY = 100.0
 Law = dict[tuple[int, ...], float]
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Tiny models: one thread runs their passes faster than two and changes no law."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module", params=["mixtral", "gemma3"])

@@ -113,14 +113,7 @@ MIXTURES = ("mixtral", "qwen3-moe")
 ROPE_ONLY = ("llama-yarn", "llama-linear", "llama-dynamic")
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """These models are tiny: one thread runs their passes many times faster than two on a
-    busy machine (no thread hand-offs per small op), and changes no result checked here."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def make_hf(name: str, seed: int = 0, **overrides: object) -> transformers.PreTrainedModel:

@@ -55,13 +55,7 @@ PROMPT = [5, 17, 33, 8, 61, 42, 9, 77, 12, 50, 3, 88]  # longer than the window
 GREEDY = SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True)
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Tiny models: one thread runs their passes faster than two on a busy machine."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def make_hf(cls: str, kwargs: dict, seed: int = 0) -> transformers.PreTrainedModel:

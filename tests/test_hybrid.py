@@ -18,12 +18,7 @@ from understudy.verify.sampling import warp_probs
 ALPHA = 1e-3
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 # -- the plan ----------------------------------------------------------------------------------

@@ -186,13 +186,7 @@ def test_greedy_identity(tiny_pair, plain, k):
 # -- sampling: chi-squared homogeneity with method="none" --------------------------------------
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """The tiny models run fastest on one thread (and do not fight other processes)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 # 4 tokens, so the first round may draft K = 2 (the row budget); the test looks at 3

@@ -31,14 +31,7 @@ from understudy.models.quant import (
 P_THRESHOLD = 1e-3
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Tiny models gain nothing from a second thread, and on a busy 2-core machine OpenMP's
-    barrier makes each pass wait for a descheduled thread (3 ms -> 90 ms per generate)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:

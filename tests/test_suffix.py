@@ -13,13 +13,7 @@ import torch
 from understudy import Engine, SamplingParams, UnderstudyError
 from understudy.drafters.suffix import SuffixCache, SuffixProposer, SuffixTrie
 
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def substring_counts(seqs: list[list[int]], depth: int) -> Counter:
