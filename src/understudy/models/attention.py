@@ -83,7 +83,7 @@ def attend_visible(
 def visible_spans(mask: torch.Tensor) -> list[tuple[int, int] | None]:
     """For each row of mask [R, L] (bool), (lo, hi) when the keys it sees are exactly the
     run lo..hi-1 (a chain or a sliding window), else None (a tree's ancestors)."""
-    edges = torch.zeros(mask.shape[0], mask.shape[1] + 2, dtype=torch.int8)
+    edges = torch.zeros(mask.shape[0], mask.shape[1] + 2, dtype=torch.int8, device=mask.device)
     edges[:, 1:-1] = mask
     runs = (edges[:, 1:] != edges[:, :-1]).sum(-1)  # 2 for exactly one run of True
     lo = mask.to(torch.int8).argmax(-1)
