@@ -71,7 +71,8 @@ class Bench:
         if cfg.compare is not None and not all(p in COMPARE_CHOICES for p in peers):
             raise UnderstudyError(
                 f"--compare takes hf, llama.cpp or a comma list of hf-plain, hf-assisted, "
-                f"hf-lookup, llama.cpp-plain, llama.cpp-draft[:k=N]; got {cfg.compare!r}"
+                f"hf-lookup, llama.cpp-plain, llama.cpp-draft[:k=N] (vllm: serving mode, with "
+                f"--concurrency); got {cfg.compare!r}"
             )
         self.peer_methods = HF_METHODS if "hf" in peers else tuple(peers)
         self.llama_methods = llama_cpp_labels([p for p in entries if is_llama_cpp(p)])

@@ -15,8 +15,8 @@ max_tokens tokens and the levels do the same work. Measured per (method, c):
 - identical: every answer equals the same request's answer from the first method at
   concurrency 1 (greedy only: sampled answers of different methods differ by design).
 
-Methods run one after the other, each level after the last, on one machine: the ratios
-within one run are the result (a shared machine moves absolute figures).
+Methods, then peers (--compare vllm: vllm_peer.py), run one after another, level by level, on
+one machine: the ratios within one run are the result (a shared machine moves the figures).
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ import sys
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -61,6 +61,7 @@ class ServingConfig:
     dtype: str = "auto"
     max_context: int = 4096
     out: Path = Path("bench-results")
+    compare: list[str] = field(default_factory=list)  # the vLLM peer's labels (vllm_peer.py)
 
     def __post_init__(self) -> None:
         if not self.concurrency or any(c < 1 for c in self.concurrency):
@@ -76,6 +77,9 @@ class ServingConfig:
                 raise UnderstudyError(
                     f"serving mode takes method names ({', '.join(METHODS)}), got {method!r}"
                 )
+        from understudy.bench.vllm_peer import vllm_labels
+
+        self.compare = vllm_labels(self.compare)
 
 
 @dataclass
@@ -104,16 +108,20 @@ def parse_concurrency(text: str) -> list[int]:
 
 
 class ServerUnderTest:
-    """`python -m understudy.cli.serve` as a child process, up until `stop()`."""
+    """A server as a child process on a free loopback port, up (its /health answers 200) until
+    `stop()`: `python -m understudy.cli.serve ARGS`, or the command `launch(port)` gives (a
+    peer's server), with `env` added to its environment. `health` is /health's JSON, or {}."""
 
-    def __init__(self, args: list[str], log_path: Path) -> None:
+    def __init__(self, args: list[str], log_path: Path, *, env: dict[str, str] | None = None,
+                 launch: Callable[[int], list[str]] | None = None) -> None:  # fmt: skip
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = log_path
         self._log = open(log_path, "w")  # noqa: SIM115 (closed in stop)
-        command = [sys.executable, "-m", "understudy.cli.serve", *args, "--port", str(self.port)]
+        ours = [sys.executable, "-m", "understudy.cli.serve", *args, "--port", str(self.port)]
+        command = launch(self.port) if launch is not None else ours
         self.proc = subprocess.Popen(command, stdout=self._log, stderr=subprocess.STDOUT,
-                                     env={**os.environ, "PYTHONUNBUFFERED": "1"})  # fmt: skip
+                                     env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})})  # fmt: skip
         deadline = time.monotonic() + STARTUP_S
         while True:
             if self.proc.poll() is not None:
@@ -129,7 +137,10 @@ class ServerUnderTest:
                 self.stop()
                 raise UnderstudyError(f"the server did not start in {STARTUP_S:.0f} s")
             time.sleep(0.5)
-        self.health = httpx.get(self.url + "/health", timeout=10).json()
+        try:
+            self.health: dict[str, Any] = httpx.get(self.url + "/health", timeout=10).json()
+        except ValueError:  # a peer's /health may answer 200 with no body
+            self.health = {}
 
     def stop(self) -> None:
         self.proc.terminate()
@@ -227,7 +238,8 @@ def server_args(config: ServingConfig, method: str) -> list[str]:
 
 
 def run_serving(config: ServingConfig, say: Callable[[str], None]) -> dict[str, Any]:
-    """Every method at every concurrency; writes OUT/serving.json after each level."""
+    """Every method, then every peer, at every concurrency; writes OUT/serving.json after
+    each level."""
     config.out.mkdir(parents=True, exist_ok=True)
     prompts = load_prompts(config.prompts, config.per_category)
     chosen = [prompts[i % len(prompts)] for i in range(config.requests)]
@@ -238,28 +250,50 @@ def run_serving(config: ServingConfig, say: Callable[[str], None]) -> dict[str, 
         "prompts": [p.id for p in chosen],
         "levels": [],
     }
-    reference: list[str] | None = None
-    for method in config.methods:
-        say(f"starting the server: method {method} ...")
-        server = ServerUnderTest(server_args(config, method), config.out / f"server-{method}.log")
+    starters = [(m, lambda m=m: ServerUnderTest(server_args(config, m),
+                                                config.out / f"server-{m}.log"))
+                for m in config.methods]  # fmt: skip
+    if config.compare:
+        from understudy.bench import vllm_peer
+
+        say("finding vLLM and its weights ...")
+        setup = vllm_peer.prepare(config.compare, config.target, config.draft)
+        starters += [(p, lambda p=p: vllm_peer.start(setup, p, config)) for p in config.compare]
+    references: dict[str, list[str]] = {}
+    for label, launch in starters:
+        say(f"starting the server: {label} ...")
+        server = launch()
         try:
-            results.setdefault("servers", {})[method] = server.health
-            model = server.health["model"]
-            bodies = [request_body(p, model, config) for p in chosen]
-            warm = {**bodies[0][1], "max_tokens": 4}
-            with httpx.Client(timeout=REQUEST_TIMEOUT_S) as client:
-                send(client, server.url + bodies[0][0], warm)
-            for clients in config.concurrency:
-                say(f"  {method}: {len(bodies)} requests, {clients} at once ...")
-                level = run_level(server, bodies, clients)
-                texts = level.pop("texts")
-                if reference is None:
-                    reference = texts
-                level["identical"] = texts == reference if config.temperature == 0 else None
-                level["method"] = method
-                results["levels"].append(level)
-                write_json(config.out / "serving.json", results)
-                say(f"    {level['tok_s']:.2f} tok/s, identical: {level['identical']}")
+            results.setdefault("servers", {})[label] = server.health
+            measure(server, label, chosen, config, results, references, say)
+        except UnderstudyError as error:
+            raise UnderstudyError(f"{label}: {error} (its log: {server.log_path})") from None
         finally:
             server.stop()
     return results
+
+
+def measure(server: ServerUnderTest, label: str, chosen: list[BenchPrompt],
+            config: ServingConfig, results: dict[str, Any], references: dict[str, list[str]],
+            say: Callable[[str], None]) -> None:  # fmt: skip
+    """Every concurrency level of one server. `identical`: the answers equal the first
+    server's at its first level (ours, first method); `identical_same_engine`: they equal
+    the first server of the same engine's (ours, or vLLM's) at its first level. Greedy only."""
+    engine = server.health.get("engine", "understudy")
+    bodies = [request_body(p, server.health["model"], config) for p in chosen]
+    warm = {**bodies[0][1], "max_tokens": 4}
+    with httpx.Client(timeout=REQUEST_TIMEOUT_S) as client:
+        send(client, server.url + bodies[0][0], warm)
+    greedy = config.temperature == 0
+    for clients in config.concurrency:
+        say(f"  {label}: {len(bodies)} requests, {clients} at once ...")
+        level = run_level(server, bodies, clients)
+        texts = level.pop("texts")
+        first = references.setdefault("first", texts)
+        same = references.setdefault(engine, texts)
+        level["identical"] = texts == first if greedy else None
+        level["identical_same_engine"] = texts == same if greedy else None
+        level["method"] = label
+        results["levels"].append(level)
+        write_json(config.out / "serving.json", results)
+        say(f"    {level['tok_s']:.2f} tok/s, identical: {level['identical']}")

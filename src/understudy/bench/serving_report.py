@@ -14,6 +14,16 @@ def _pair(a: float | None, b: float | None) -> str:
     return "-" if a is None or b is None else f"{a:.2f} / {b:.2f}"
 
 
+def _identical(level: dict[str, Any]) -> str:
+    """yes / NO against the first method's answers; where they differ, whether the answers
+    equal the same engine's first server at its first level (a peer against itself)."""
+    word = {True: "yes", False: "NO", None: "-"}
+    own = level.get("identical_same_engine")
+    if level["identical"] is False and own is not None:
+        return f"NO (own engine: {word[own]})"
+    return word[level["identical"]]
+
+
 def rows(results: dict[str, Any]) -> list[list[str]]:
     """One row per (method, concurrency): the ratios are against the same method with one
     client, and against the first method at the same concurrency."""
@@ -32,7 +42,7 @@ def rows(results: dict[str, Any]) -> list[list[str]]:
             "-" if same is None else f"{lv['tok_s'] / same:.2f}x",
             _pair(lv["latency_p50_s"], lv["latency_p95_s"]),
             _pair(lv["ttft_p50_s"], lv["ttft_p95_s"]),
-            {True: "yes", False: "NO", None: "-"}[lv["identical"]],
+            _identical(lv),
         ])  # fmt: skip
     return out
 
@@ -48,6 +58,15 @@ def markdown(results: dict[str, Any]) -> str:
         "|" + "---|" * len(COLUMNS),
     ]
     lines += ["| " + " | ".join(row) + " |" for row in rows(results)]
+    peers = {k: v for k, v in results.get("servers", {}).items() if v.get("engine") == "vllm"}
+    if peers:
+        lines.append("")
+    for label, peer in peers.items():
+        spec = peer.get("speculative_config")
+        lines.append(
+            f"- {label}: vLLM {peer['version']}, {peer['weights']}"
+            + (f", speculative_config {spec}" if spec else ", plain decoding")
+        )
     return "\n".join(lines) + "\n"
 
 
@@ -82,7 +101,7 @@ def plot(results: dict[str, Any], out: Path) -> Path:
         ax.set_ylabel(label)
         ax.grid(alpha=0.3)
         ax.legend()
-    fig.suptitle(f"understudy serve, {results['date']}")
+    fig.suptitle(f"serving benchmark, {results['date']}")
     fig.tight_layout()
     path = out / "throughput.png"
     fig.savefig(path, dpi=110)

@@ -6,6 +6,7 @@
     understudy bench --prompts my.jsonl --methods none,draft,draft:k=2 --repeats 3
     understudy bench --per-category 0                  # every shipped prompt
     understudy bench --concurrency 1,2,4,8,16          # serving: the HTTP server under load
+    understudy bench --concurrency 1,2,4,8 --compare vllm   # + vLLM's server (vllm_peer.py)
 
 Writes OUT/results.json (rewritten after every run), OUT/results.md and OUT/*.png.
 Ctrl-C stops early and keeps what has been measured.
@@ -53,7 +54,11 @@ def bench(
             "hf-assisted, hf-lookup. llama.cpp: also run llama.cpp's llama-completion "
             "(llama.cpp-plain) and llama-speculative-simple (llama.cpp-draft, "
             "llama.cpp-draft:k=N; greedy) and llama-bench "
-            "on the same GGUF files; it needs those programs built (see --llama-cpp-bin)."
+            "on the same GGUF files; it needs those programs built (see --llama-cpp-bin). "
+            "vllm (serving mode only): also run vLLM's OpenAI server (vllm-plain, "
+            "vllm-draft[:k=N], vllm-ngram[:k=N]) on the same GGUF dequantized to bfloat16; "
+            "it needs vLLM in an environment of its own, whose python $UNDERSTUDY_VLLM_PYTHON "
+            "names."
         ),
     ] = None,
     llama_cpp_bin: Annotated[
@@ -109,13 +114,20 @@ def bench(
     specs = [s.strip() for item in prompts or [] for s in item.split(",") if s.strip()]
     err = Console(stderr=True, highlight=False)
     if concurrency is not None:
-        refused = [flag for flag, used in (("--compare", compare), ("--resume", resume),
-                                           ("--repeats", repeats != 1)) if used]  # fmt: skip
+        from understudy.bench.vllm_peer import is_vllm
+
+        peers = [p.strip() for p in (compare or "").split(",") if p.strip()]
+        refused = [flag for flag, used in (("--resume", resume), ("--repeats", repeats != 1),
+                                           (f"--compare {compare}", not all(map(is_vllm, peers))))
+                   if used]  # fmt: skip
         if refused:
-            err.print(f"[red]error:[/red] serving mode (--concurrency) does not take {refused[0]}")
+            err.print(
+                f"[red]error:[/red] serving mode (--concurrency) does not take {refused[0]}"
+                + (" (its peer is vllm)" if refused[0].startswith("--compare") else "")
+            )
             raise typer.Exit(2)
         serving(err, specs or None, methods, k, max_tokens, temperature, per_category, out,
-                target, draft, dtype, max_context, seed, concurrency, requests)  # fmt: skip
+                target, draft, dtype, max_context, seed, concurrency, requests, peers)  # fmt: skip
         return
     elif requests is not None:
         err.print("[red]error:[/red] --requests belongs to serving mode: give --concurrency")
@@ -163,7 +175,7 @@ def bench(
 
 
 def serving(err, prompts, methods, k, max_tokens, temperature, per_category, out, target,
-            draft, dtype, max_context, seed, concurrency, requests) -> None:  # fmt: skip
+            draft, dtype, max_context, seed, concurrency, requests, peers) -> None:  # fmt: skip
     """`understudy bench --concurrency ...`: the serving benchmark (bench/serving.py)."""
     from rich.console import Console
 
@@ -179,7 +191,7 @@ def serving(err, prompts, methods, k, max_tokens, temperature, per_category, out
             requests=requests or max(levels),
             max_tokens=max_tokens, temperature=temperature, seed=seed, k=k,
             prompts=prompts, per_category=per_category, target=target, draft=draft,
-            dtype=dtype, max_context=max_context, out=out,
+            dtype=dtype, max_context=max_context, out=out, compare=peers,
         )  # fmt: skip
         results = run_serving(config, lambda line: err.print(f"[dim]{line}[/dim]"))
     except UnderstudyError as error:
