@@ -137,3 +137,29 @@ def test_refuses_shapes_it_cannot_take() -> None:
     )  # rows cut short
     with pytest.raises(AssertionError, match="refused"):
         qgemm.QuantLinear([bad], None)(torch.randn(1, 256))
+
+
+@pytest.mark.parametrize("build", sorted(PORTABLE_BUILDS))
+def test_every_instruction_set_quantizes_edge_rows_alike(build: str) -> None:
+    """The activation quantizer's corners give the same bits on every path: an all-zero row,
+    exact .5 ties, a subnormal block maximum (its 127 / max overflows), values near the float
+    limit, and a row with an infinity (NaN out, alike)."""
+    other = qgemm.load(PORTABLE_BUILDS[build])
+    native = qgemm.load()
+    assert native is not None
+    if other is None or other.understudy_qgemm_simd() == native.understudy_qgemm_simd():
+        pytest.skip(f"no {build} build here, or it is what this CPU runs already")
+    cols = 512
+    rows = np.zeros((6, cols), dtype=np.float32)
+    rows[1, 0], rows[1, 1:40] = 127, np.arange(39) + 0.5
+    rows[2, ::7] = 1e-40
+    rows[3, 0::2], rows[3, 1::2] = 3e38, -3e38
+    rows[4] = np.random.default_rng(0).standard_normal(cols) * 1e-38
+    rows[5] = np.random.default_rng(1).standard_normal(cols)
+    rows[5, 5] = np.inf
+    x = torch.from_numpy(rows)
+    for kind, _ in CASES:
+        linear = qgemm.QuantLinear([random_blocks(kind, 16, cols, seed=30)], None)
+        vector = linear(x)
+        linear._fn = other.understudy_qgemm
+        torch.testing.assert_close(linear(x), vector, rtol=0, atol=0, equal_nan=True)

@@ -83,8 +83,8 @@ static uint16_t read_u16(const uint8_t *p) { return (uint16_t)(p[0] | (p[1] << 8
 
 /* Row m of x [M, K] -> q [K] int8 (|q| <= 127), one scale per `block` values, and the sum of
  * each 16 quantized values (bsum [K / 16]). Each row alone decides its own scales. */
-static void quantize_row(const float *x, long K, int block, int8_t *q, float *scale,
-                         int16_t *bsum) {
+QG_UNUSED_IN_AVX512 static void quantize_row(const float *x, long K, int block, int8_t *q,
+                                             float *scale, int16_t *bsum) {
     for (long b = 0; b < K / block; ++b) {
         const float *xb = x + b * block;
         float amax = 0.0f;
@@ -429,17 +429,29 @@ int understudy_qgemm(int type, const float *x, const uint8_t *w, long row_bytes,
     int8_t *aq = aligned_alloc(64, round_up((size_t)(M * K), 64));
     float *as = aligned_alloc(64, round_up(sizeof(float) * (size_t)(M * nb), 64));
     int16_t *ab = aligned_alloc(64, round_up(sizeof(int16_t) * (size_t)(M * (K / 16)), 64));
-    if (!aq || !as || !ab) {
+    uint8_t *recs = NULL; /* AVX-512, k-quants: the activations regrouped (pack_group512) */
+    int need_recs = 0;
+#if QG_AVX512
+    long groups = (M + GROUP_ROWS - 1) / GROUP_ROWS;
+    need_recs = bsize == 256;
+    if (need_recs) recs = aligned_alloc(64, (size_t)(groups * nb * krec(GROUP_ROWS)));
+#endif
+    if (!aq || !as || !ab || (need_recs && !recs)) {
         free(aq);
         free(as);
         free(ab);
+        free(recs);
         return -2;
     }
 #pragma omp parallel num_threads(threads) if (threads > 1)
     {
 #pragma omp for schedule(static)
         for (long m = 0; m < M; ++m)
+#if QG_AVX512
+            quantize_row512(x + m * K, K, (int)bsize, aq + m * K, as + m * nb, ab + m * (K / 16));
+#else
             quantize_row(x + m * K, K, (int)bsize, aq + m * K, as + m * nb, ab + m * (K / 16));
+#endif
         int t = 0, nt = 1;
 #ifdef _OPENMP
         t = omp_get_thread_num();
@@ -447,7 +459,15 @@ int understudy_qgemm(int type, const float *x, const uint8_t *w, long row_bytes,
 #endif
         long n0 = N * t / nt, n1 = N * (t + 1) / nt;
 #if QG_AVX512
-        columns512(type, w, row_bytes, aq, as, ab, bias, y, ldy, M, K, n0, n1);
+        if (recs) {
+#pragma omp for schedule(static)
+            for (long g = 0; g < groups; ++g)
+                pack_group512(type == T_Q4_K, aq + g * GROUP_ROWS * K, as + g * GROUP_ROWS * nb,
+                              ab + g * GROUP_ROWS * (K / 16), K,
+                              M - g * GROUP_ROWS < GROUP_ROWS ? M - g * GROUP_ROWS : GROUP_ROWS,
+                              recs + g * nb * krec(GROUP_ROWS));
+        }
+        columns512(type, w, row_bytes, aq, as, recs, bias, y, ldy, M, K, n0, n1);
 #else
         for (long m0 = 0; m0 < M; m0 += TILE) {
             long rows = M - m0 < TILE ? M - m0 : TILE;
@@ -458,6 +478,7 @@ int understudy_qgemm(int type, const float *x, const uint8_t *w, long row_bytes,
     free(aq);
     free(as);
     free(ab);
+    free(recs);
     return 0;
 }
 

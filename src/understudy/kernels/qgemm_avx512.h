@@ -11,34 +11,128 @@
  * What makes it faster than the AVX2 path: a block is decoded once into registers (not into a
  * buffer in memory), with its sub-block scales built by 32-bit mask arithmetic instead of a
  * byte loop, and serves a group of up to 8 rows whose float accumulators stay in registers
- * across the whole weight row; each 512-bit multiply covers two 32-value chunks.
+ * across the whole weight row; each 512-bit multiply covers two 32-value chunks. For the
+ * k-quants, with VNNI, one vpdpbusd makes 16 exact 4-product sums, two rows' sums are paired
+ * as int16 words and one vpdpwssd applies two sub-block multipliers to both rows at once
+ * (kquant_pair); the activations are regrouped once per call so that a group's block is one
+ * pointer (pack_group512), and the float products s * d are formed for all rows in one
+ * multiply.
  */
 #include <immintrin.h>
 
 #define GROUP_ROWS 8 /* rows whose accumulators live in registers at once */
+#define PREFETCH_AHEAD 2048 /* bytes of weights ahead of the block being decoded */
 
-/* A k-quant block in registers: w[p] its values 64p..64p+63 in order (unsigned: Q4_K 0..15,
- * Q6_K 0..63); sc[p] the int16 multiplier of each maddubs pair of those values; mn the 16
- * int16 weights of the activation sums per 16 values (Q4_K: its mins, Q6_K: 32 x scales). */
+/* quantize_row, 16 values a step: the same float operations on each value (|x|, the block's
+ * max, x * inv rounded in the current mode, clamped to +-127, truncated to int8), so the same
+ * ints, scales and sums. max_ps and min_ps return their second operand when either is NaN:
+ * a NaN x is skipped by the max as fmaxf skips it, and stays NaN through the clamp. */
+static void quantize_row512(const float *x, long K, int block, int8_t *q, float *scale,
+                            int16_t *bsum) {
+    const __m512 hi = _mm512_set1_ps(127.0f), lo = _mm512_set1_ps(-127.0f);
+    for (long b = 0; b < K / block; ++b) {
+        const float *xb = x + b * block;
+        __m512 m = _mm512_setzero_ps();
+        for (int i = 0; i < block; i += 16)
+            m = _mm512_max_ps(_mm512_abs_ps(_mm512_loadu_ps(xb + i)), m);
+        float amax = _mm512_reduce_max_ps(m);
+        float inv = amax > 0.0f ? 127.0f / amax : 0.0f;
+        scale[b] = amax / 127.0f;
+        __m512 vinv = _mm512_set1_ps(inv);
+        for (int i = 0; i < block; i += 16) {
+            __m512 v = _mm512_roundscale_ps(_mm512_mul_ps(_mm512_loadu_ps(xb + i), vinv),
+                                            _MM_FROUND_CUR_DIRECTION | _MM_FROUND_NO_EXC);
+            v = _mm512_max_ps(lo, _mm512_min_ps(hi, v));
+            __m512i n = _mm512_cvttps_epi32(v);
+            _mm_storeu_si128((__m128i *)(q + b * block + i), _mm512_cvtepi32_epi8(n));
+            bsum[(b * block + i) / 16] = (int16_t)_mm512_reduce_add_epi32(n);
+        }
+    }
+}
+
+/* k-quant activations, regrouped once per call: for each group of up to GROUP_ROWS rows and
+ * each block b, one record of krec(R) bytes: the R rows' 256 ints (Q4_K: its 32-value chunks
+ * in the order of krec_chunk, the order its decoded registers hold them), then their 16 sums
+ * per 16 values (int16 [R][16]: a pair of rows is 64 contiguous bytes), then their scales
+ * (float [R]). A group's block b is then one pointer and constant offsets. */
+static inline long krec(long R) { return (R * (256 + 32) + 4 * R + 63) / 64 * 64; }
+static const int krec_chunk[8] = {0, 2, 1, 3, 4, 6, 5, 7}; /* Q4_K: slot c holds chunk [c] */
+
+static void pack_group512(int q4k, const int8_t *aq, const float *as, const int16_t *ab, long K,
+                          long R, uint8_t *out) {
+    long nb = K / 256, rec = krec(R);
+    for (long b = 0; b < nb; ++b) {
+        uint8_t *o = out + b * rec;
+        for (long r = 0; r < R; ++r) {
+            const int8_t *a = aq + r * K + b * 256;
+            for (int c = 0; c < 8; ++c)
+                memcpy(o + r * 256 + 32 * c, a + 32 * (q4k ? krec_chunk[c] : c), 32);
+            memcpy(o + R * 256 + 32 * r, ab + r * (K / 16) + b * 16, 32);
+            memcpy(o + R * 288 + 4 * r, as + r * nb + b, 4);
+        }
+    }
+}
+
+/* A k-quant block in registers: w[p] 64 of its values (unsigned: Q4_K 0..15, Q6_K 0..63), two
+ * 32-value chunks, reg_chunk(p, 0) then reg_chunk(p, 1), in the order the records hold the
+ * activations; sc[k] the int16 multipliers of kquant_row's words (scale_words); mn the 16 int16
+ * weights of the activation sums per 16 values (Q4_K: its mins, Q6_K: 32 x scales); sc2[p] the
+ * int16 multipliers of kquant_pair's words for register p (scale_pairs). */
 typedef struct {
-    __m512i w[4], sc[4];
+    __m512i w[4], sc[2], sc2[4]; /* sc: for kquant_row (an odd row); sc2: for kquant_pair */
     __m256i mn;
-    float d, dmin;
+    __m512 dd; /* d in lanes 0-7, dmin in 8-15 (Q6_K: 0) */
 } kregs;
 
-/* int16 index vectors for _mm512_permutexvar_epi16: pair q of register p takes scale
- * Q4_K: 2p + (q >= 16)           (one scale per 32 values)
- * Q6_K: 4p + q / 8               (one scale per 16 values) */
-static inline __m512i pair_index(int per16, int p) {
+static inline int reg_chunk(int q4k, int p, int half) {
+    return q4k ? krec_chunk[2 * p + half] : 2 * p + half;
+}
+
+/* Index vectors for _mm512_permutexvar_epi16 over the block's scales (Q4_K: 8, one per 32
+ * values; Q6_K: 16, one per 16): word w of sc[k] multiplies, in kquant_row, the 4-product sum
+ * of register 2k + (w & 1) at dword w / 2: chunk reg_chunk(2k + (w & 1), w / 2 >= 8), lane
+ * w / 2 % 8, i.e. values 4 (w / 2 % 8) .. + 3 of that chunk. */
+static inline __m512i scale_words(int q4k, int k) {
     int16_t idx[32];
-    for (int q = 0; q < 32; ++q) idx[q] = (int16_t)(per16 ? 4 * p + q / 8 : 2 * p + (q >= 16));
+    for (int w = 0; w < 32; ++w) {
+        int i = w / 2, t = reg_chunk(q4k, 2 * k + (w & 1), i >= 8);
+        idx[w] = (int16_t)(q4k ? t : 2 * t + (i % 8 >= 4));
+    }
+    return _mm512_loadu_si512((const void *)idx);
+}
+
+/* The two-row path (kquant_pair): dot4 gives, for a row and register p, dword i < 8 lane i of
+ * chunk reg_chunk(p, 0) and dword 8 + i lane i of chunk reg_chunk(p, 1). pair_words sets two
+ * rows' sums side by side as int16 words: word 2i, 2i + 1 = dwords i and 8 + i of row e
+ * (i < 8), of row o (i >= 8, less 8); so vpdpwssd with scale_pairs(p) (word 2i: chunk
+ * reg_chunk(p, 0)'s multiplier for lane i % 8, 2i + 1: chunk reg_chunk(p, 1)'s) adds both
+ * chunks' scaled sums into lane i % 8 of row e (dwords 0-7) or row o (8-15). */
+static inline __m512i pair_words(void) {
+    int16_t idx[32];
+    for (int w = 0; w < 32; ++w) {
+        int i = w / 2, s = w & 1;
+        idx[w] = (int16_t)(i < 8 ? 2 * (i + 8 * s) : 32 + 2 * (i - 8 + 8 * s));
+    }
+    return _mm512_loadu_si512((const void *)idx);
+}
+
+static inline __m512i scale_pairs(int q4k, int p) {
+    int16_t idx[32];
+    for (int w = 0; w < 32; ++w) {
+        int l = (w / 2) % 8, t = reg_chunk(q4k, p, w & 1);
+        idx[w] = (int16_t)(q4k ? t : 2 * t + (l >= 4));
+    }
     return _mm512_loadu_si512((const void *)idx);
 }
 
 static inline __attribute__((always_inline)) void load_q4_k_regs(const uint8_t *blk, kregs *u,
-                                                                 const __m512i *index) {
-    u->d = half_to_float(read_u16(blk));
-    u->dmin = half_to_float(read_u16(blk + 2));
+                                                                 const __m512i *index, int odd,
+                                                                 int pairs) {
+    uint32_t dbits;
+    memcpy(&dbits, blk, 4); /* d, dmin: two float16 */
+    u->dd = _mm512_permutexvar_ps(
+        _mm512_inserti64x4(_mm512_setzero_si512(), _mm256_set1_epi32(1), 1),
+        _mm512_castps128_ps512(_mm_cvtph_ps(_mm_cvtsi32_si128((int)dbits))));
     /* 12 bytes of 6-bit scales and mins (q4_k_scales, four bytes at a time) */
     uint32_t a[3];
     memcpy(a, blk + 4, 12);
@@ -47,28 +141,31 @@ static inline __attribute__((always_inline)) void load_q4_k_regs(const uint8_t *
     uint32_t mn_hi = ((a[2] >> 4) & 0x0f0f0f0fu) | (((a[1] >> 6) & 0x03030303u) << 4);
     __m512i sc16 = _mm512_castsi128_si512(
         _mm_cvtepu8_epi16(_mm_set_epi32(0, 0, (int)sc_hi, (int)sc_lo)));
-    for (int p = 0; p < 4; ++p) u->sc[p] = _mm512_permutexvar_epi16(index[p], sc16);
+    for (int k = 0; k < 2 && odd; ++k) u->sc[k] = _mm512_permutexvar_epi16(index[k], sc16);
+    for (int p = 0; p < 4 && pairs; ++p) u->sc2[p] = _mm512_permutexvar_epi16(index[3 + p], sc16);
     __m128i mn8 = _mm_set_epi32(0, 0, (int)mn_hi, (int)mn_lo);
     u->mn = _mm256_cvtepu8_epi16(_mm_unpacklo_epi8(mn8, mn8));
-    /* 128 bytes: byte i of chunk c holds value 64c + i (low nibble) and 64c + 32 + i (high) */
+    /* 128 bytes: byte i of 32-byte piece c holds value 64c + i (low nibble) and 64c + 32 + i
+     * (high): a 64-byte load's low nibbles are chunks 4h and 4h + 2, its high ones 4h + 1 and
+     * 4h + 3, the order krec_chunk gives the activations */
     const uint8_t *qs = blk + 16;
     const __m512i low = _mm512_set1_epi8(0xf);
     for (int h = 0; h < 2; ++h) {
         __m512i v = _mm512_loadu_si512((const void *)(qs + 64 * h));
-        __m512i lo = _mm512_and_si512(v, low), hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
-        u->w[2 * h] = _mm512_shuffle_i64x2(lo, hi, 0x44);     /* values 128h + 0..63 */
-        u->w[2 * h + 1] = _mm512_shuffle_i64x2(lo, hi, 0xee); /* values 128h + 64..127 */
+        u->w[2 * h] = _mm512_and_si512(v, low);
+        u->w[2 * h + 1] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
     }
 }
 
 static inline __attribute__((always_inline)) void load_q6_k_regs(const uint8_t *blk, kregs *u,
-                                                                 const __m512i *index) {
+                                                                 const __m512i *index, int odd,
+                                                                 int pairs) {
     const uint8_t *ql = blk, *qh = blk + 128;
-    u->d = half_to_float(read_u16(blk + 208));
-    u->dmin = 0.0f;
+    u->dd = _mm512_maskz_mov_ps(0x00ff, _mm512_set1_ps(half_to_float(read_u16(blk + 208))));
     __m256i s16 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(blk + 192)));
     __m512i s512 = _mm512_castsi256_si512(s16);
-    for (int p = 0; p < 4; ++p) u->sc[p] = _mm512_permutexvar_epi16(index[p], s512);
+    for (int k = 0; k < 2 && odd; ++k) u->sc[k] = _mm512_permutexvar_epi16(index[k], s512);
+    for (int p = 0; p < 4 && pairs; ++p) u->sc2[p] = _mm512_permutexvar_epi16(index[3 + p], s512);
     u->mn = _mm256_slli_epi16(s16, 5);
     /* half h: ql bytes 64h..64h+63 hold values 128h + i (low nibble) and 128h + 64 + i (high
      * nibble); qh byte 32h + i holds the top two bits of values 128h + 32c + i at bits 2c. */
@@ -86,74 +183,116 @@ static inline __attribute__((always_inline)) void load_q6_k_regs(const uint8_t *
     }
 }
 
-/* Row r's integer dot with a decoded k-quant block: 16 int32 lanes, lanes 0-7 from the even
- * 32-value chunks and 8-15 from the odd ones (their sum is the AVX2 path's 8 lanes). */
-static inline __attribute__((always_inline)) __m512i kquant_dot(const kregs *u, const int8_t *a) {
-    __m512i isum = _mm512_setzero_si512();
-    for (int p = 0; p < 4; ++p) {
-        __m512i pairs = _mm512_maddubs_epi16(u->w[p], _mm512_loadu_si512((const void *)(a + 64 * p)));
+/* The 16 int32 sums of 4 products each of a row's activations (a record's 256 ints) with
+ * register p of a decoded block: dword i < 8 lane i of chunk reg_chunk(p, 0), dword 8 + i lane
+ * i of chunk reg_chunk(p, 1). */
+static inline __attribute__((always_inline)) __m512i dpwssd(__m512i acc, __m512i a, __m512i b) {
 #if defined(__AVX512VNNI__)
-        isum = _mm512_dpwssd_epi32(isum, pairs, u->sc[p]); /* = add(isum, madd(pairs, sc)) */
+    return _mm512_dpwssd_epi32(acc, a, b);
 #else
-        isum = _mm512_add_epi32(isum, _mm512_madd_epi16(pairs, u->sc[p]));
+    return _mm512_add_epi32(acc, _mm512_madd_epi16(a, b));
 #endif
+}
+
+static inline __attribute__((always_inline)) __m512i dot4(__m512i w, const uint8_t *a) {
+    __m512i x = _mm512_loadu_si512((const void *)a);
+#if defined(__AVX512VNNI__)
+    return _mm512_dpbusd_epi32(_mm512_setzero_si512(), w, x);
+#else
+    return _mm512_madd_epi16(_mm512_maddubs_epi16(w, x), _mm512_set1_epi16(1)); /* exact pairs */
+#endif
+}
+
+/* Row a's integer dot with a decoded k-quant block: 16 int32, dword i < 8 lane i of the chunks
+ * in the registers' first halves, 8 + i lane i of the second halves; the two halves add up to
+ * the AVX2 path's 8 lanes. Each 4-product sum fits int16 (|sum| <= 4 * 63 * 127 < 2^15), so
+ * two registers' sums go side by side as the words of one (blend), and one multiply-add by
+ * sc[k] applies both chunks' multipliers: exact int32 all along. */
+static inline __attribute__((always_inline)) __m512i kquant_row(const kregs *u, const uint8_t *a) {
+    __m512i x0 = dot4(u->w[0], a), x1 = dot4(u->w[1], a + 64);
+    __m512i x2 = dot4(u->w[2], a + 128), x3 = dot4(u->w[3], a + 192);
+    __m512i lo = _mm512_mask_blend_epi16(0xaaaaaaaau, x0, _mm512_slli_epi32(x1, 16));
+    __m512i hi = _mm512_mask_blend_epi16(0xaaaaaaaau, x2, _mm512_slli_epi32(x3, 16));
+    return dpwssd(_mm512_madd_epi16(lo, u->sc[0]), hi, u->sc[1]);
+}
+
+/* isum + the integer dots of rows a and a + 256 (a record's pair of rows) with a decoded block:
+ * the first row's 8 lanes in dwords 0-7, the other's in 8-15 (pair_words). */
+static inline __attribute__((always_inline)) __m512i kquant_pair(const kregs *u, const uint8_t *a,
+                                                                __m512i isum, __m512i words) {
+    for (int p = 0; p < 4; ++p) {
+        __m512i e = dot4(u->w[p], a + 64 * p), o = dot4(u->w[p], a + 256 + 64 * p);
+        isum = dpwssd(isum, _mm512_permutex2var_epi16(e, words, o), u->sc2[p]);
     }
     return isum;
 }
 
-/* Blocks b0..b1-1 of one column for rows 0..R-1 (R <= GROUP_ROWS, a constant after inlining):
- * acc[r] (8 float lanes, in memory between calls) += their lanes, block by block. Rows go two
- * to a 512-bit float register (lanes 0-7 the even row, 8-15 the odd): each lane still sees
- * exactly the AVX2 path's float steps, in its order. */
+/* Blocks b0..b1-1 of one column for rows 0..R-1 (R <= GROUP_ROWS, a constant after inlining)
+ * from their records (pack_group512): acc[r] (8 float lanes, in memory between calls) += their
+ * lanes, block by block. Rows go two to a 512-bit float register (lanes 0-7 the even row, 8-15
+ * the odd): each lane still sees exactly the AVX2 path's float steps, in its order, with the
+ * same products s * d and s * dmin (here computed for all R rows in one multiply). */
 static inline __attribute__((always_inline)) void kquant_group(
-    int q4k, const uint8_t *row, long b0, long b1, long nb, const int8_t *aq, const float *as,
-    const int16_t *ab, long K, const int R, const __m512i *index, float (*accm)[8]) {
+    int q4k, const uint8_t *row, long b0, long b1, long nb, const uint8_t *recs, const int R,
+    const __m512i *index, float (*accm)[8]) {
+    const long rec = krec(R), bs_at = R * 256, s_at = R * 288;
     __m512 acc[GROUP_ROWS / 2];
     __m256 last = _mm256_setzero_ps(); /* row R - 1 when R is odd */
     for (int i = 0; i < R / 2; ++i) acc[i] = _mm512_loadu_ps(accm[2 * i]);
     if (R & 1) last = _mm256_loadu_ps(accm[R - 1]);
     kregs u;
+    const long bytes = q4k ? 144 : 210;
     for (long b = b0; b < b1; ++b) {
+        /* unchunked, a column's blocks follow the previous column's: fetch ahead of the
+         * hardware's own prefetch, which falls behind when a block serves several rows */
+        if (b1 - b0 == nb && R > 1)
+            for (int o = 0; o < bytes; o += 64)
+                _mm_prefetch((const char *)(row + b * bytes + PREFETCH_AHEAD + o), _MM_HINT_T0);
         if (q4k)
-            load_q4_k_regs(row + b * 144, &u, index);
+            load_q4_k_regs(row + b * bytes, &u, index, R & 1, R >= 2);
         else
-            load_q6_k_regs(row + b * 210, &u, index);
-        __m512 d = _mm512_set1_ps(u.d), dmin = _mm512_set1_ps(u.dmin);
+            load_q6_k_regs(row + b * bytes, &u, index, R & 1, R >= 2);
+        const uint8_t *a = recs + b * rec;
+        const int16_t *bs = (const int16_t *)(a + bs_at);
+        const float *sv = (const float *)(a + s_at);
         __m512i mn = _mm512_broadcast_i64x4(u.mn);
+        /* lanes r < 8: s_r * d; lanes 8 + r: s_r * dmin (lanes of rows >= R unused): the
+         * products the AVX2 path forms one row at a time */
+        __m256 s8 = R >= 8 ? _mm256_loadu_ps(sv)
+                           : _mm256_maskz_loadu_ps((__mmask8)((1u << R) - 1), sv);
+        __m512 sdm = _mm512_mul_ps(_mm512_broadcast_f32x8(s8), u.dd);
         for (int i = 0; i < R / 2; ++i) {
-            long r = 2 * i;
-            __m512i e = kquant_dot(&u, aq + r * K + b * 256);
-            __m512i o = kquant_dot(&u, aq + (r + 1) * K + b * 256);
-            __m512i isum = _mm512_add_epi32(_mm512_shuffle_i64x2(e, o, 0x44),
-                                            _mm512_shuffle_i64x2(e, o, 0xee));
-            __m512i bs = _mm512_inserti64x4(
-                _mm512_castsi256_si512(
-                    _mm256_loadu_si256((const __m256i *)(ab + r * (K / 16) + b * 16))),
-                _mm256_loadu_si256((const __m256i *)(ab + (r + 1) * (K / 16) + b * 16)), 1);
-            __m512i jsum = _mm512_madd_epi16(bs, mn);
-            __m512 s = _mm512_insertf32x8(_mm512_set1_ps(as[r * nb + b]),
-                                          _mm256_set1_ps(as[(r + 1) * nb + b]), 1);
+            const int r = 2 * i;
+            /* J (rows r, r + 1), and I (Q6_K: I - J, starting from -J) */
+            __m512i jsum = _mm512_madd_epi16(_mm512_loadu_si512((const void *)(bs + 16 * r)), mn);
+            __m512i isum = kquant_pair(
+                &u, a + r * 256,
+                q4k ? _mm512_setzero_si512() : _mm512_sub_epi32(_mm512_setzero_si512(), jsum),
+                index[2]);
+            __m512 sd = _mm512_permutexvar_ps(
+                _mm512_inserti64x4(_mm512_set1_epi32(r), _mm256_set1_epi32(r + 1), 1), sdm);
+            acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), sd, acc[i]);
             if (q4k) {
-                acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), _mm512_mul_ps(s, d), acc[i]);
-                acc[i] = _mm512_fnmadd_ps(_mm512_cvtepi32_ps(jsum), _mm512_mul_ps(s, dmin), acc[i]);
-            } else {
-                acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(isum, jsum)),
-                                         _mm512_mul_ps(s, d), acc[i]);
+                __m512 sdmin = _mm512_permutexvar_ps(
+                    _mm512_inserti64x4(_mm512_set1_epi32(r + 8), _mm256_set1_epi32(r + 9), 1), sdm);
+                acc[i] = _mm512_fnmadd_ps(_mm512_cvtepi32_ps(jsum), sdmin, acc[i]);
             }
         }
         if (R & 1) {
-            long r = R - 1;
-            __m512i e = kquant_dot(&u, aq + r * K + b * 256);
-            __m256i i8 = _mm256_add_epi32(_mm512_castsi512_si256(e), _mm512_extracti64x4_epi64(e, 1));
-            __m256i j8 = _mm256_madd_epi16(
-                _mm256_loadu_si256((const __m256i *)(ab + r * (K / 16) + b * 16)), u.mn);
-            float sr = as[r * nb + b];
+            const int r = R - 1;
+            __m512i e = kquant_row(&u, a + r * 256);
+            __m256i i8 =
+                _mm256_add_epi32(_mm512_castsi512_si256(e), _mm512_extracti64x4_epi64(e, 1));
+            __m256i j8 =
+                _mm256_madd_epi16(_mm256_loadu_si256((const __m256i *)(bs + 16 * r)), u.mn);
+            __m256 sd = _mm512_castps512_ps256(_mm512_permutexvar_ps(_mm512_set1_epi32(r), sdm));
             if (q4k) {
-                last = _mm256_fmadd_ps(_mm256_cvtepi32_ps(i8), _mm256_set1_ps(sr * u.d), last);
-                last = _mm256_fnmadd_ps(_mm256_cvtepi32_ps(j8), _mm256_set1_ps(sr * u.dmin), last);
+                __m256 sdmin = _mm512_castps512_ps256(
+                    _mm512_permutexvar_ps(_mm512_set1_epi32(r + 8), sdm));
+                last = _mm256_fmadd_ps(_mm256_cvtepi32_ps(i8), sd, last);
+                last = _mm256_fnmadd_ps(_mm256_cvtepi32_ps(j8), sdmin, last);
             } else {
-                last = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_sub_epi32(i8, j8)),
-                                       _mm256_set1_ps(sr * u.d), last);
+                last = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_sub_epi32(i8, j8)), sd, last);
             }
         }
     }
@@ -238,9 +377,9 @@ static inline __attribute__((always_inline)) void block32_group(
 #define GROUP_CASE(R)                                                                      \
     case R:                                                                                \
         if (type == T_Q4_K)                                                                \
-            kquant_group(1, row, b0, b1, nb, aq, as, ab, K, R, index, acc);                \
+            kquant_group(1, row, b0, b1, nb, recs, R, index, acc);                         \
         else if (type == T_Q6_K)                                                           \
-            kquant_group(0, row, b0, b1, nb, aq, as, ab, K, R, index, acc);                \
+            kquant_group(0, row, b0, b1, nb, recs, R, index, acc);                         \
         else if (type == T_Q8_0)                                                           \
             block32_group(1, row, b0, b1, nb, aq, as, K, R, acc);                          \
         else                                                                               \
@@ -250,7 +389,7 @@ static inline __attribute__((always_inline)) void block32_group(
 /* The group functions for a run-time type and R: one specialised copy each, so that the
  * accumulators stay in registers. */
 static void group_rows512(int type, const uint8_t *row, long b0, long b1, long nb,
-                          const int8_t *aq, const float *as, const int16_t *ab, long K, long R,
+                          const int8_t *aq, const float *as, const uint8_t *recs, long K, long R,
                           const __m512i *index, float (*acc)[8]) {
     switch (R) {
         GROUP_CASE(1)
@@ -266,18 +405,20 @@ static void group_rows512(int type, const uint8_t *row, long b0, long b1, long n
 }
 
 #define NTILE 16 /* columns that share one pass over a chunk of the activations */
-#define L1_ROWS_BYTES 16384 /* a group's activations up to this size stay in L1 unchunked */
+#define L1_ROWS_BYTES 24576 /* a group's activations up to this size stay in L1 unchunked */
 #define CHUNK_VALUES 2048   /* else K goes in chunks of this many values */
 
 /* Columns n0..n1-1 for rows 0..rows-1: y[r * ldy + n] (+ bias[n]). Columns go NTILE at a
  * time and K in chunks, so the activations a tile reads stay in L1 for all of its columns;
  * each lane's float steps still run in block order. */
 static void columns512(int type, const uint8_t *w, long row_bytes, const int8_t *aq,
-                       const float *as, const int16_t *ab, const float *bias, float *y, long ldy,
+                       const float *as, const uint8_t *recs, const float *bias, float *y, long ldy,
                        long rows, long K, long n0, long n1) {
     long bsize = block_size(type), nb = K / bsize, bbytes = block_bytes(type);
-    __m512i index[4];
-    for (int p = 0; p < 4; ++p) index[p] = pair_index(type == T_Q6_K, p);
+    __m512i index[7]; /* scale_words for kquant_row, pair_words, scale_pairs for kquant_pair */
+    for (int k = 0; k < 2; ++k) index[k] = scale_words(type == T_Q4_K, k);
+    index[2] = pair_words();
+    for (int p = 0; p < 4; ++p) index[3 + p] = scale_pairs(type == T_Q4_K, p);
     float acc[NTILE][GROUP_ROWS][8];
     for (long n = n0; n < n1; n += NTILE) {
         long nt = n1 - n < NTILE ? n1 - n : NTILE;
@@ -299,7 +440,8 @@ static void columns512(int type, const uint8_t *w, long row_bytes, const int8_t 
                             _mm_prefetch((const char *)(p + o), _MM_HINT_T0);
                     }
                     group_rows512(type, w + (n + j) * row_bytes, b0, b1, nb, aq + g * K,
-                                  as + g * nb, ab + g * (K / 16), K, R, index, acc[j]);
+                                  as + g * nb, recs + g / GROUP_ROWS * nb * krec(GROUP_ROWS), K,
+                                  R, index, acc[j]);
                 }
             }
             for (long j = 0; j < nt; ++j)
