@@ -22,7 +22,7 @@ from understudy.drafters import DRAFTERS
 from understudy.drafters.base import Drafter
 from understudy.engine.request import Seat
 from understudy.engine.seats import make_seats
-from understudy.kernels import rowgemm
+from understudy.kernels import rowgemm, span_attention
 from understudy.models.hf_fallback import FallbackLM, refuse_on_fallback
 from understudy.models.loader import LoadedModel, cpu_has_native_bf16, load_model
 from understudy.models.packed import PACK_FROM_ROWS, can_pack, pack_linears
@@ -67,6 +67,18 @@ def install_row_invariant_kernels(model: Transformer | FallbackLM, rows: int) ->
     rowgemm.use_row_invariant_linears(model)
     for layer in model.layers:
         layer.attn.rows_apart_upto = max(layer.attn.rows_apart_upto, rows)
+    use_span_attention(model, rows)
+
+
+def use_span_attention(model: Transformer | FallbackLM, rows: int) -> None:
+    """Score the decode rows of passes of up to `rows` rows with kernels/span_attention
+    (float32 on a CPU, where it builds): one call a layer instead of a torch call a row."""
+    if isinstance(model, FallbackLM) or model.device.type != "cpu":
+        return
+    if model.dtype != torch.float32 or not span_attention.available():
+        return
+    for layer in model.layers:
+        layer.attn.span_rows = max(layer.attn.span_rows, rows)
 
 
 def default_verify_rows(dtype: torch.dtype, device: torch.device) -> int:
@@ -217,6 +229,7 @@ def load_draft(
     """Load a draft model, refuse it unless its tokens mean the target's, quantize it."""
     draft = load_model(spec, dtype, device, quantization)
     check_compatible(target, draft)
+    use_span_attention(draft.model, ROW_INVARIANT_ROWS)  # its chain steps and catch-ups
     scheme = resolve_draft_quantization(scheme_request, draft, draft_model=True)
     if scheme is not None:
         load_or_quantize(draft.model, None, scheme)

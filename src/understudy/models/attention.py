@@ -20,6 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from understudy.kernels.span_attention import span_attention
 from understudy.models.key_groups import KeyGroup
 from understudy.models.norms import make_norm
 from understudy.models.split_attention import SplitKeys, split_attention
@@ -134,6 +135,11 @@ class Attention(nn.Module):
         # seen on an AVX-512 EPYC; a loop of 1-row calls costs what one batched call does
         # there). 0 = off. Longer passes (a prompt's chunks) stay batched.
         self.rows_apart_upto = 0
+        # passes of at most span_rows rows score each row whose keys are one run (a chain's,
+        # a window's, a tree node's gathered path) in kernels/span_attention, one call for all
+        # of them: row-invariant by construction, and ~10x cheaper than a torch call a row.
+        # 0 = off (float32 on a CPU only; the engine builder turns it on).
+        self.span_rows = 0
 
     def forward(
         self,
@@ -198,7 +204,9 @@ class Attention(nn.Module):
         base: int,
     ) -> torch.Tensor:
         """Rows q over the keys at slots base..base+L-1 (or their own key_slots) -> [R, H, D].
-        Passes of at most rows_apart_upto rows score each row in its own 1-row call."""
+        Passes of at most span_rows rows whose rows each see one run of keys: one kernel
+        call. Passes of at most rows_apart_upto rows: each row in its own 1-row call (the
+        kernel again for a row that sees one run, with span_rows on)."""
         cfg = self.cfg
         rows, length = q.shape[1], mask.shape[-1]
         gqa = cfg.num_heads != cfg.num_kv_heads
@@ -208,10 +216,15 @@ class Attention(nn.Module):
             assert rows <= self.rows_apart_upto, "key_slots needs per-row attention"
             keys = k_cache[:, key_slots].transpose(0, 1)  # [R, Hkv, L, D]
             values = v_cache[:, key_slots].transpose(0, 1)  # [R, Hkv, L, D]
+        kernel = rows <= self.span_rows and self.softcap is None
+        if kernel:  # every row over its one run of keys, in one call (None: not all are)
+            scored = span_attention(q, keys, values, mask, self.row_scale)
+            if scored is not None:
+                return scored  # [R, H, D]
         if rows > self.rows_apart_upto:
             return self.attend(q[None], keys, values, mask, gqa)[0].transpose(0, 1)  # [R, H, D]
-        per_row = keys.shape[0] > 1  # each query row its own call, the shape of a 1-row pass
         spans = visible_spans(mask)
+        per_row = keys.shape[0] > 1  # each query row its own call, the shape of a 1-row pass
         out = []
         for r in range(rows):
             q_r = q[None, :, r : r + 1]  # [1, H, 1, D]
@@ -220,6 +233,10 @@ class Attention(nn.Module):
             span = spans[r]
             if span is None:
                 o = self.attend(q_r, k_r, v_r, mask[r : r + 1], gqa)
+            elif kernel:  # the kernel's bits, as in a pass of such rows only
+                o = span_attention(q_r[0], k_r, v_r, mask[r : r + 1], self.row_scale)
+                assert o is not None  # its keys are one run
+                o = o[:, :, None]
             elif self.softcap is None:  # exactly the keys it sees, whatever the window
                 lo, hi = span
                 o = attend_visible(q_r, k_r[:, :, lo:hi], v_r[:, :, lo:hi], self.row_scale)

@@ -1,0 +1,206 @@
+/* Attention of decode rows, each over one contiguous run of its keys: row-invariant.
+
+   For every query row r and head h (kv head g = h / (heads / kv_heads)):
+
+       s_j = (q[r,h] . k[b(r), g, j]) * scale            for j in lo[r] .. hi[r]-1
+       out[r,h] = sum_j softmax(s)_j * v[b(r), g, j]
+
+   Invariant: out[r,h] depends only on q[r,h], the keys and values lo[r]..hi[r]-1 and scale;
+   not on the other rows of the call, on their number, or on how (r,h) pairs are split over
+   threads. Each pair is computed by one thread, start to end, by the same code whatever the
+   call: dot products in 16 lanes over the feature dimension summed in one fixed tree, exp by
+   one polynomial written in plain arithmetic (no libm call whose vector and scalar forms may
+   differ), sums in 16 lanes over the keys. Compiled with -ffp-contract=off, so a vectorised
+   and a scalar evaluation of the same expression give the same bits. So a token's attention
+   is bitwise the same in a one-row decode pass, in a verification pass of many rows and in
+   a batch of several sequences, as models/attention.py requires.
+
+   Keys and values: b(r) = r when `per_row` (each row its own gathered keys, a tree node's
+   path), else 0 (all rows read the cache itself). Strides are in floats; the feature
+   dimension is contiguous. */
+
+#include <math.h>
+#include <stdlib.h>
+#include <string.h>
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
+#define LANES 16
+
+/* expf for x <= 0 (softmax arguments): 2^n * p(r), x = n ln2 + r, |r| <= ln2 / 2, p a
+   degree-7 Taylor polynomial (relative error < 2e-7, about 2 ulp); exp(-87) below -87. Branch-free
+   plain arithmetic, so a loop of it vectorises and gives a scalar evaluation's bits. */
+static inline float exp_nonpositive(float x) {
+    const float log2e = 1.4426950408889634f;
+    const float ln2_hi = 0.693145751953125f, ln2_lo = 1.428606765330187e-06f;
+    const float round = 12582912.0f;  /* 1.5 * 2^23: adding it rounds to an integer */
+    x = x < -87.0f ? -87.0f : x;
+    float n = (x * log2e + round) - round;
+    float r = (x - n * ln2_hi) - n * ln2_lo;
+    float p = 1.0f / 5040.0f;
+    p = p * r + 1.0f / 720.0f;
+    p = p * r + 1.0f / 120.0f;
+    p = p * r + 1.0f / 24.0f;
+    p = p * r + 1.0f / 6.0f;
+    p = p * r + 0.5f;
+    p = p * r + 1.0f;
+    p = p * r + 1.0f;
+    int bits = ((int)n + 127) << 23;
+    float two_n;
+    memcpy(&two_n, &bits, sizeof two_n);
+    return p * two_n;
+}
+
+/* q . k_j for 4 keys at once (k + j * stride): each in LANES partial sums over the
+   features (lane l sums features l, l + 16, ...), then the tree l += l + 8, l += l + 4,
+   l += l + 2, l += l + 1. Four keys in flight hide the latency of each one's chain. */
+#if defined(__AVX512F__)
+static inline float tree_sum(__m512 v) {
+    __m256 a = _mm256_add_ps(_mm512_castps512_ps256(v),
+                             _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1)));
+    __m128 b = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
+    __m128 c = _mm_add_ps(b, _mm_movehl_ps(b, b));
+    return _mm_cvtss_f32(_mm_add_ss(c, _mm_shuffle_ps(c, c, 1)));
+}
+
+static inline void dots4(const float *restrict q, const float *restrict k, long stride,
+                         long dim, float *restrict out) {
+    __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+    for (long d = 0; d < dim; d += LANES) {
+        __m512 x = _mm512_loadu_ps(q + d);
+        a0 = _mm512_add_ps(a0, _mm512_mul_ps(x, _mm512_loadu_ps(k + d)));
+        a1 = _mm512_add_ps(a1, _mm512_mul_ps(x, _mm512_loadu_ps(k + stride + d)));
+        a2 = _mm512_add_ps(a2, _mm512_mul_ps(x, _mm512_loadu_ps(k + 2 * stride + d)));
+        a3 = _mm512_add_ps(a3, _mm512_mul_ps(x, _mm512_loadu_ps(k + 3 * stride + d)));
+    }
+    out[0] = tree_sum(a0), out[1] = tree_sum(a1), out[2] = tree_sum(a2), out[3] = tree_sum(a3);
+}
+#endif
+
+static inline float dot(const float *restrict a, const float *restrict b, long dim) {
+    float acc[LANES] = {0};
+    for (long d = 0; d < dim; d += LANES)  /* dim is a multiple of LANES (checked) */
+        for (int l = 0; l < LANES; l++) acc[l] += a[d + l] * b[d + l];
+    for (int width = LANES / 2; width > 0; width /= 2)
+        for (int l = 0; l < width; l++) acc[l] += acc[l + width];
+    return acc[0];
+}
+
+/* the PORTABLE path is the definition; the AVX-512 one computes the same sums */
+static void scores_of(const float *restrict q, const float *restrict k, long stride, long n,
+                      long dim, float *restrict scores) {
+    long j = 0;
+#if defined(__AVX512F__)
+    for (; j + 4 <= n; j += 4) dots4(q, k + j * stride, stride, dim, scores + j);
+#endif
+    for (; j < n; j++) scores[j] = dot(q, k + j * stride, dim);
+}
+
+/* out[d] = sum_j p_j * v_j[d], each feature's sum in key order (j = 0, 1, ...). */
+static void weighted_sum(const float *restrict p, const float *restrict v, long stride, long n,
+                         long dim, float *restrict out) {
+    long d0 = 0;
+#if defined(__AVX512F__)
+    for (; d0 + 4 * LANES <= dim; d0 += 4 * LANES) {  /* 64 features in registers */
+        __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+        for (long j = 0; j < n; j++) {
+            const float *vj = v + j * stride + d0;
+            __m512 w = _mm512_set1_ps(p[j]);
+            a0 = _mm512_add_ps(a0, _mm512_mul_ps(w, _mm512_loadu_ps(vj)));
+            a1 = _mm512_add_ps(a1, _mm512_mul_ps(w, _mm512_loadu_ps(vj + LANES)));
+            a2 = _mm512_add_ps(a2, _mm512_mul_ps(w, _mm512_loadu_ps(vj + 2 * LANES)));
+            a3 = _mm512_add_ps(a3, _mm512_mul_ps(w, _mm512_loadu_ps(vj + 3 * LANES)));
+        }
+        _mm512_storeu_ps(out + d0, a0);
+        _mm512_storeu_ps(out + d0 + LANES, a1);
+        _mm512_storeu_ps(out + d0 + 2 * LANES, a2);
+        _mm512_storeu_ps(out + d0 + 3 * LANES, a3);
+    }
+#endif
+    for (long d = d0; d < dim; d++) out[d] = 0.0f;
+    for (long j = 0; j < n; j++) {
+        const float *restrict vj = v + j * stride;
+        for (long d = d0; d < dim; d++) out[d] += p[j] * vj[d];
+    }
+}
+
+static void attend_one(const float *restrict q, const float *restrict k,
+                       const float *restrict v, long key_stride, long n, long dim,
+                       float scale, float *restrict scores, float *restrict out) {
+    scores_of(q, k, key_stride, n, dim, scores);
+    float top[LANES], part[LANES];
+    for (int l = 0; l < LANES; l++) top[l] = -INFINITY, part[l] = 0.0f;
+    for (long j = 0; j < n; j++) scores[j] *= scale;
+    for (long j = 0; j < n; j++)  /* a max is exact in any order */
+        top[j % LANES] = scores[j] > top[j % LANES] ? scores[j] : top[j % LANES];
+    for (int l = 1; l < LANES; l++) top[0] = top[l] > top[0] ? top[l] : top[0];
+    for (long j = 0; j < n; j++) scores[j] = exp_nonpositive(scores[j] - top[0]);
+    long j = 0;
+    for (; j + LANES <= n; j += LANES)
+        for (int l = 0; l < LANES; l++) part[l] += scores[j + l];
+    for (int l = 0; j + l < n; l++) part[l] += scores[j + l];
+    for (int width = LANES / 2; width > 0; width /= 2)
+        for (int l = 0; l < width; l++) part[l] += part[l + width];
+    for (long i = 0; i < n; i++) scores[i] = scores[i] / part[0];
+    weighted_sum(scores, v, key_stride, n, dim, out);
+}
+
+/* Row r's keys from its mask row (bool bytes): the run lo..hi-1 of ones. 0 when the row's
+   ones are one nonempty run, else 1 (a tree's ancestors without gathering, or nothing). */
+static int one_run(const unsigned char *row, long length, long *lo, long *hi) {
+    long a = 0;
+    while (a < length && !row[a]) a++;
+    long b = a;
+    while (b < length && row[b]) b++;
+    for (long j = b; j < length; j++)
+        if (row[j]) return 1;
+    *lo = a, *hi = b;
+    return b > a ? 0 : 1;
+}
+
+int understudy_span_attention(
+    const float *q, long q_row_stride, long q_head_stride,     /* q[r,h,:] */
+    const float *k, const float *v, long kv_row_stride,        /* b(r) stride (per_row) */
+    long kv_head_stride, long key_stride, int per_row,         /* k[b,g,j,:] */
+    const unsigned char *mask, long mask_row_stride, long length,  /* mask[r, j] */
+    long rows, long heads, long kv_heads, long dim,
+    float scale, float *out, int threads)                      /* out [rows, heads, dim] */
+{
+    if (rows < 0 || heads <= 0 || kv_heads <= 0 || heads % kv_heads) return 1;
+    if (dim <= 0 || dim % LANES) return 1;
+    long *lo = malloc(sizeof(long) * (rows > 0 ? 2 * rows : 1));
+    if (lo == NULL) return 3;
+    long *hi = lo + rows, longest = 0, work = 0;
+    for (long r = 0; r < rows; r++) {
+        if (one_run(mask + r * mask_row_stride, length, lo + r, hi + r)) {
+            free(lo);
+            return 4;  /* not one run of keys: the caller's general path */
+        }
+        longest = hi[r] - lo[r] > longest ? hi[r] - lo[r] : longest;
+        work += (hi[r] - lo[r]) * heads * dim;
+    }
+    const long group = heads / kv_heads;
+    int failed = 0;
+    #pragma omp parallel num_threads(work >= 200000 ? threads : 1)
+    {
+        float *scores = malloc(sizeof(float) * (longest + 4));
+        if (scores == NULL) {
+            #pragma omp atomic write
+            failed = 1;
+        }
+        #pragma omp for schedule(static)
+        for (long pair = 0; pair < rows * heads; pair++) {
+            if (scores == NULL) continue;
+            long r = pair / heads, h = pair % heads, g = h / group;
+            long b = per_row ? r : 0;
+            const float *kb = k + b * kv_row_stride + g * kv_head_stride + lo[r] * key_stride;
+            const float *vb = v + b * kv_row_stride + g * kv_head_stride + lo[r] * key_stride;
+            attend_one(q + r * q_row_stride + h * q_head_stride, kb, vb, key_stride,
+                       hi[r] - lo[r], dim, scale, scores, out + (r * heads + h) * dim);
+        }
+        free(scores);
+    }
+    free(lo);
+    return failed ? 3 : 0;
+}
