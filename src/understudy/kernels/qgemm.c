@@ -429,12 +429,13 @@ int understudy_qgemm(int type, const float *x, const uint8_t *w, long row_bytes,
     int8_t *aq = aligned_alloc(64, round_up((size_t)(M * K), 64));
     float *as = aligned_alloc(64, round_up(sizeof(float) * (size_t)(M * nb), 64));
     int16_t *ab = aligned_alloc(64, round_up(sizeof(int16_t) * (size_t)(M * (K / 16)), 64));
-    uint8_t *recs = NULL; /* AVX-512, k-quants: the activations regrouped (pack_group512) */
+    uint8_t *recs = NULL; /* AVX-512: the activations regrouped (pack_group512, pack_group32) */
     int need_recs = 0;
 #if QG_AVX512
     long groups = (M + GROUP_ROWS - 1) / GROUP_ROWS;
-    need_recs = bsize == 256;
-    if (need_recs) recs = aligned_alloc(64, (size_t)(groups * nb * krec(GROUP_ROWS)));
+    long rec = bsize == 256 ? krec(GROUP_ROWS) : rec32(GROUP_ROWS);
+    need_recs = 1;
+    recs = aligned_alloc(64, (size_t)(groups * nb * rec));
 #endif
     if (!aq || !as || !ab || (need_recs && !recs)) {
         free(aq);
@@ -459,13 +460,15 @@ int understudy_qgemm(int type, const float *x, const uint8_t *w, long row_bytes,
 #endif
         long n0 = N * t / nt, n1 = N * (t + 1) / nt;
 #if QG_AVX512
-        if (recs) {
 #pragma omp for schedule(static)
-            for (long g = 0; g < groups; ++g)
+        for (long g = 0; g < groups; ++g) {
+            long R = M - g * GROUP_ROWS < GROUP_ROWS ? M - g * GROUP_ROWS : GROUP_ROWS;
+            if (bsize == 256)
                 pack_group512(type == T_Q4_K, aq + g * GROUP_ROWS * K, as + g * GROUP_ROWS * nb,
-                              ab + g * GROUP_ROWS * (K / 16), K,
-                              M - g * GROUP_ROWS < GROUP_ROWS ? M - g * GROUP_ROWS : GROUP_ROWS,
-                              recs + g * nb * krec(GROUP_ROWS));
+                              ab + g * GROUP_ROWS * (K / 16), K, R, recs + g * nb * rec);
+            else
+                pack_group32(aq + g * GROUP_ROWS * K, as + g * GROUP_ROWS * nb, K, R,
+                             recs + g * nb * rec);
         }
         columns512(type, w, row_bytes, aq, as, recs, bias, y, ldy, M, K, n0, n1);
 #else

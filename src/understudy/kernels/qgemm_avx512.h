@@ -73,6 +73,26 @@ static void pack_group512(int q4k, const int8_t *aq, const float *as, const int1
     }
 }
 
+/* Q8_0 / Q5_0 activations for groups of 2..GROUP_ROWS rows, regrouped once per call: for each
+ * block b one record of rec32(R) bytes: per pair of rows 64 bytes, the even row's 32 ints then
+ * the odd row's (zeros past row R - 1), then the R rows' scales (float [8], zeros past R - 1).
+ * One 512-bit multiply then covers a block for two rows, each in its own 8 lanes. */
+static inline long rec32(long R) { return (R + 1) / 2 * 64 + 64; }
+
+static void pack_group32(const int8_t *aq, const float *as, long K, long R, uint8_t *out) {
+    long nb = K / 32, rec = rec32(R);
+    if (R < 2) return; /* one row runs from aq itself (block32_group) */
+    for (long b = 0; b < nb; ++b) {
+        uint8_t *o = out + b * rec;
+        float *s = (float *)(o + (R + 1) / 2 * 64);
+        memset(o, 0, (size_t)rec);
+        for (long r = 0; r < R; ++r) {
+            memcpy(o + r * 32, aq + r * K + b * 32, 32);
+            s[r] = as[r * nb + b];
+        }
+    }
+}
+
 /* A k-quant block in registers: w[p] 64 of its values (unsigned: Q4_K 0..15, Q6_K 0..63), two
  * 32-value chunks, reg_chunk(p, 0) then reg_chunk(p, 1), in the order the records hold the
  * activations; sc[k] the int16 multipliers of kquant_row's words (scale_words); mn the 16 int16
@@ -374,16 +394,81 @@ static inline __attribute__((always_inline)) void block32_group(
     for (int r = 0; r < R; ++r) _mm256_storeu_ps(accm[r], acc[r]);
 }
 
+/* A Q5_0 block's 32 values (q - 16, signed) in both halves of a register: the 16 bytes of
+ * nibbles in each 128-bit lane, shifted by 0 or 4 (values 0-15, 16-31), and the 32 fifth bits
+ * as a byte mask, twice. */
+static inline __attribute__((always_inline)) __m512i decode_q5_0_twice(const uint8_t *blk) {
+    __m512i v = _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i *)(blk + 6)));
+    const __m512i shift = _mm512_set_epi64(4, 4, 0, 0, 4, 4, 0, 0);
+    __m512i q = _mm512_and_si512(_mm512_srlv_epi64(v, shift), _mm512_set1_epi8(0xf));
+    uint32_t qh;
+    memcpy(&qh, blk + 2, 4);
+    __m512i fifth = _mm512_maskz_mov_epi8((__mmask64)qh | ((__mmask64)qh << 32),
+                                          _mm512_set1_epi8(0x10));
+    return _mm512_sub_epi8(_mm512_or_si512(q, fifth), _mm512_set1_epi8(16));
+}
+
+/* Blocks b0..b1-1 of one column for rows 0..R-1 (2 <= R <= GROUP_ROWS) from their records
+ * (pack_group32): rows go two to a 512-bit register (lanes 0-7 the even row, 8-15 the odd),
+ * the block's 32 weights in both halves; each lane sees block32_rows's float step for its row,
+ * in block order, with the same product s * d (formed for all rows in one multiply). */
+static inline __attribute__((always_inline)) void block32_pairs(int q8, const uint8_t *row, long b0,
+                                                                long b1, long nb,
+                                                                const uint8_t *recs, const int R,
+                                                                float (*accm)[8]) {
+    const int P = (R + 1) / 2;
+    const long rec = rec32(R), bytes = q8 ? 34 : 22;
+    const __m512i zero = _mm512_setzero_si512();
+    __m512 acc[GROUP_ROWS / 2];
+    for (int i = 0; i < P; ++i)
+        acc[i] = _mm512_insertf32x8(_mm512_castps256_ps512(_mm256_loadu_ps(accm[2 * i])),
+                                    2 * i + 1 < R ? _mm256_loadu_ps(accm[2 * i + 1])
+                                                  : _mm256_setzero_ps(),
+                                    1);
+    for (long b = b0; b < b1; ++b) {
+        const uint8_t *blk = row + b * bytes;
+        if (b1 - b0 == nb) /* as in kquant_group */
+            _mm_prefetch((const char *)(blk + PREFETCH_AHEAD), _MM_HINT_T0);
+        __m512i w = q8 ? _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)(blk + 2)))
+                       : decode_q5_0_twice(blk);
+        __m512i wabs = _mm512_abs_epi8(w); /* -128 -> 0x80, read unsigned: 128 */
+        __mmask64 neg = _mm512_movepi8_mask(w);
+        const uint8_t *a = recs + b * rec;
+        /* lane r: s_r * d (rows >= R: 0) */
+        __m256 sd8 = _mm256_mul_ps(_mm256_loadu_ps((const float *)(a + P * 64)),
+                                   _mm256_set1_ps(half_to_float(read_u16(blk))));
+        for (int i = 0; i < P; ++i) {
+            __m512i x = _mm512_loadu_si512((const void *)(a + 64 * i));
+            x = _mm512_mask_sub_epi8(x, neg, zero, x); /* x * sign(w); |x| <= 127 */
+#if defined(__AVX512VNNI__)
+            __m512i isum = _mm512_dpbusd_epi32(zero, wabs, x);
+#else
+            __m512i isum = _mm512_madd_epi16(_mm512_maddubs_epi16(wabs, x), _mm512_set1_epi16(1));
+#endif
+            __m512 sd = _mm512_permutexvar_ps(
+                _mm512_inserti64x4(_mm512_set1_epi32(2 * i), _mm256_set1_epi32(2 * i + 1), 1),
+                _mm512_castps256_ps512(sd8));
+            acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), sd, acc[i]);
+        }
+    }
+    for (int i = 0; i < P; ++i) {
+        _mm256_storeu_ps(accm[2 * i], _mm512_castps512_ps256(acc[i]));
+        if (2 * i + 1 < R) _mm256_storeu_ps(accm[2 * i + 1], _mm512_extractf32x8_ps(acc[i], 1));
+    }
+}
+
 #define GROUP_CASE(R)                                                                      \
     case R:                                                                                \
         if (type == T_Q4_K)                                                                \
             kquant_group(1, row, b0, b1, nb, recs, R, index, acc);                         \
         else if (type == T_Q6_K)                                                           \
             kquant_group(0, row, b0, b1, nb, recs, R, index, acc);                         \
+        else if (R == 1)                                                                   \
+            block32_group(type == T_Q8_0, row, b0, b1, nb, aq, as, K, 1, acc);             \
         else if (type == T_Q8_0)                                                           \
-            block32_group(1, row, b0, b1, nb, aq, as, K, R, acc);                          \
+            block32_pairs(1, row, b0, b1, nb, recs, R, acc);                               \
         else                                                                               \
-            block32_group(0, row, b0, b1, nb, aq, as, K, R, acc);                          \
+            block32_pairs(0, row, b0, b1, nb, recs, R, acc);                               \
         break;
 
 /* The group functions for a run-time type and R: one specialised copy each, so that the
@@ -415,6 +500,7 @@ static void columns512(int type, const uint8_t *w, long row_bytes, const int8_t 
                        const float *as, const uint8_t *recs, const float *bias, float *y, long ldy,
                        long rows, long K, long n0, long n1) {
     long bsize = block_size(type), nb = K / bsize, bbytes = block_bytes(type);
+    long rec = bsize == 256 ? krec(GROUP_ROWS) : rec32(GROUP_ROWS); /* a group's record */
     __m512i index[7]; /* scale_words for kquant_row, pair_words, scale_pairs for kquant_pair */
     for (int k = 0; k < 2; ++k) index[k] = scale_words(type == T_Q4_K, k);
     index[2] = pair_words();
@@ -440,8 +526,8 @@ static void columns512(int type, const uint8_t *w, long row_bytes, const int8_t 
                             _mm_prefetch((const char *)(p + o), _MM_HINT_T0);
                     }
                     group_rows512(type, w + (n + j) * row_bytes, b0, b1, nb, aq + g * K,
-                                  as + g * nb, recs + g / GROUP_ROWS * nb * krec(GROUP_ROWS), K,
-                                  R, index, acc[j]);
+                                  as + g * nb, recs + g / GROUP_ROWS * nb * rec, K, R, index,
+                                  acc[j]);
                 }
             }
             for (long j = 0; j < nt; ++j)
