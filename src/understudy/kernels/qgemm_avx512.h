@@ -516,9 +516,11 @@ static void columns512(int type, const uint8_t *w, long row_bytes, const int8_t 
                 long b1 = nb - b0 < chunk ? nb : b0 + chunk;
                 for (long j = 0; j < nt; ++j) {
                     /* chunked, the weights are read a piece of a column at a time, and the
-                     * hardware does not foresee the jumps: fetch the piece two columns ahead
-                     * (or the next chunk's first two) ourselves */
-                    long pj = j + 2 < nt ? j + 2 : j + 2 - nt, pb0 = j + 2 < nt ? b0 : b1;
+                     * hardware does not foresee the jumps: fetch the piece `ahead` columns on
+                     * (or the next chunk's first ones) ourselves; further for fewer rows, whose
+                     * pieces take less time */
+                    long jj = j + (R <= 4 ? 4 : 2);
+                    long pj = jj < nt ? jj : (jj - nt) % nt, pb0 = jj < nt ? b0 : b1;
                     if (chunk < nb && pb0 < nb) {
                         long pb1 = nb - pb0 < chunk ? nb : pb0 + chunk;
                         const uint8_t *p = w + (n + pj) * row_bytes;
