@@ -49,11 +49,19 @@ LAYER_TYPES = {
     "ffn_up": T.Q8_0,
     "ffn_down": T.Q6_K,
 }
+# the same with every part of a kernel type: each layer runs through kernels/fused_layer
+KERNEL_LAYER_TYPES = {**LAYER_TYPES, "attn_k": T.Q8_0}
 
 
-def write_tiny_qwen2_gguf(path: Path, seed: int = 0, eos: int = 0, tied: bool = False) -> Path:
+def write_tiny_qwen2_gguf(
+    path: Path,
+    seed: int = 0,
+    eos: int = 0,
+    tied: bool = False,
+    layer_types: dict[str, GGMLQuantizationType] = LAYER_TYPES,
+) -> Path:
     """A tiny random Qwen2 GGUF file (no tokenizer: token-id prompts), weights in mixed
-    block types; embedding Q8_0, output Q6_K (or tied to the embedding)."""
+    block types (`layer_types`); embedding Q8_0, output Q6_K (or tied to the embedding)."""
     h, inter, heads, kv = TINY["hidden"], TINY["inter"], TINY["heads"], TINY["kv_heads"]
     head_dim = h // heads
     rng = np.random.default_rng(seed)
@@ -96,7 +104,7 @@ def write_tiny_qwen2_gguf(path: Path, seed: int = 0, eos: int = 0, tied: bool = 
         "ffn_down": (h, inter),
     }
     for i in range(TINY["layers"]):
-        for part, kind in LAYER_TYPES.items():
+        for part, kind in layer_types.items():
             add(f"blk.{i}.{part}.weight", kind, *shapes[part])
         for part in ("attn_q", "attn_k", "attn_v"):
             add_f32(f"blk.{i}.{part}.bias", 0.1 * rng.standard_normal(shapes[part][0]))

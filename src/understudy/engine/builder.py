@@ -12,6 +12,7 @@ one frozen value (policy/costs.py).
 
 from __future__ import annotations
 
+import os
 import warnings
 from dataclasses import dataclass, field, replace
 
@@ -23,6 +24,7 @@ from understudy.drafters.base import Drafter
 from understudy.engine.request import Seat
 from understudy.engine.seats import make_seats
 from understudy.kernels import rowgemm, span_attention
+from understudy.kernels.fused_layer import FusedLayer
 from understudy.models.hf_fallback import FallbackLM, refuse_on_fallback
 from understudy.models.loader import LoadedModel, cpu_has_native_bf16, load_model
 from understudy.models.packed import PACK_FROM_ROWS, can_pack, pack_linears
@@ -68,6 +70,7 @@ def install_row_invariant_kernels(model: Transformer | FallbackLM, rows: int) ->
     for layer in model.layers:
         layer.attn.rows_apart_upto = max(layer.attn.rows_apart_upto, rows)
     use_span_attention(model, rows)
+    use_fused_layers(model)
 
 
 def use_span_attention(model: Transformer | FallbackLM, rows: int) -> None:
@@ -79,6 +82,17 @@ def use_span_attention(model: Transformer | FallbackLM, rows: int) -> None:
         return
     for layer in model.layers:
         layer.attn.span_rows = max(layer.attn.span_rows, rows)
+
+
+def use_fused_layers(model: Transformer | FallbackLM) -> None:
+    """Run each layer of a model on GGUF blocks through kernels/fused_layer (two C calls a
+    layer around its attention) where the layer is of a kind it computes; every pass then
+    takes that path, so no token's bits depend on its pass. $UNDERSTUDY_FUSED_LAYERS=0: off."""
+    if isinstance(model, FallbackLM) or os.environ.get("UNDERSTUDY_FUSED_LAYERS", "1") == "0":
+        return
+    for layer in model.layers:
+        if layer.fused is None:
+            layer.fused = FusedLayer.of(layer)
 
 
 def default_verify_rows(dtype: torch.dtype, device: torch.device) -> int:
@@ -230,6 +244,7 @@ def load_draft(
     draft = load_model(spec, dtype, device, quantization)
     check_compatible(target, draft)
     use_span_attention(draft.model, ROW_INVARIANT_ROWS)  # its chain steps and catch-ups
+    use_fused_layers(draft.model)
     scheme = resolve_draft_quantization(scheme_request, draft, draft_model=True)
     if scheme is not None:
         load_or_quantize(draft.model, None, scheme)

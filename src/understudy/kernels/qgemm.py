@@ -123,6 +123,18 @@ class QuantLinear(nn.Module):
                 linear = nn.Linear(part.cols, part.rows, bias=False)
                 linear.weight.data = part.dequantized()
                 self.dense[str(i)] = rowgemm.RowInvariantLinear(linear)
+        # the kernel's arguments of each block part, worked out once (a decode pass makes
+        # ~200 of these calls: per-call Python work is a visible share of it)
+        self.kernel_calls: list[
+            tuple[int, int, int, int, int, int]
+        ] = []  # kind, w, bytes, b, at, n
+        start = 0
+        for i, part in enumerate(parts):
+            if str(i) not in self.dense:
+                bias = 0 if self.bias is None else self.bias.data_ptr() + 4 * start
+                self.kernel_calls.append((int(part.kind), part.data.ctypes.data, part.data.shape[1],
+                                    bias, 4 * start, part.rows))  # fmt: skip
+            start += part.rows
 
     def _part_rows(self, i: int, part: GGUFTensor, index: torch.Tensor) -> torch.Tensor:
         if str(i) in self.dense:
@@ -159,22 +171,19 @@ class QuantLinear(nn.Module):
         x2 = x.reshape(-1, self.in_features).contiguous()  # [M, in]
         rows = x2.shape[0]
         y = torch.empty(rows, self.out_features, dtype=torch.float32)  # [M, out]
-        threads = torch.get_num_threads()
-        start = 0
-        for i, part in enumerate(self.parts):
-            if str(i) in self.dense:
-                y[:, start : start + part.rows] = self.dense[str(i)](x2)
-                if self.bias is not None:
-                    y[:, start : start + part.rows] += self.bias[start : start + part.rows]
-            else:
-                bias = 0 if self.bias is None else self.bias.data_ptr() + 4 * start
-                code = self._fn(
-                    int(part.kind), x2.data_ptr(), part.data.ctypes.data, part.data.shape[1],
-                    bias, y.data_ptr() + 4 * start, self.out_features, rows, self.in_features,
-                    part.rows, threads,
-                )  # fmt: skip
-                assert code == 0, f"qgemm refused a {part.kind.name} part ({code})"
-            start += part.rows
+        threads, x_at, y_at = torch.get_num_threads(), x2.data_ptr(), y.data_ptr()
+        for kind, weight, row_bytes, bias, at, part_rows in self.kernel_calls:
+            code = self._fn(kind, x_at, weight, row_bytes, bias, y_at + at, self.out_features,
+                            rows, self.in_features, part_rows, threads)  # fmt: skip
+            assert code == 0, f"qgemm refused a {GGMLQuantizationType(kind).name} part ({code})"
+        if len(self.dense):
+            start = 0
+            for i, part in enumerate(self.parts):
+                if str(i) in self.dense:
+                    y[:, start : start + part.rows] = self.dense[str(i)](x2)
+                    if self.bias is not None:
+                        y[:, start : start + part.rows] += self.bias[start : start + part.rows]
+                start += part.rows
         return y.view(*lead, self.out_features)
 
     def extra_repr(self) -> str:

@@ -173,26 +173,41 @@ class Attention(nn.Module):
         # (a no-op cast except under autocast in training, where v comes out in bf16)
         k_cache.index_copy_(1, slots, k.to(k_cache.dtype))
         v_cache.index_copy_(1, slots, v.to(v_cache.dtype))
+        out = self.attend_rows(q, k_cache, v_cache, mask, key_slots, split, regions, groups)
+        return self.wo(out.reshape(rows, -1))  # out: [R, H, D]
+
+    def attend_rows(
+        self,
+        q: torch.Tensor,  # [H, R, D], rotated; the rows' keys/values are in the cache
+        k_cache: torch.Tensor,  # [kv_heads, S, head_dim]
+        v_cache: torch.Tensor,  # [kv_heads, S, head_dim]
+        mask: torch.Tensor,  # [R, L]
+        key_slots: torch.Tensor | None = None,  # [R, L]
+        split: SplitKeys | None = None,
+        regions: int | None = None,
+        groups: list[KeyGroup] | None = None,
+    ) -> torch.Tensor:
+        """The rows' attention over the cache -> [R, H, D], before the output projection
+        (forward's docstring says which keys each row sees)."""
+        rows = q.shape[1]
         if split is not None:
-            out = split_attention(q, k_cache, v_cache, split, self.scale, self.softcap)
-            return self.wo(out.reshape(rows, -1))  # out: [R, H, D]
-        gqa = cfg.num_heads != cfg.num_kv_heads
+            return split_attention(q, k_cache, v_cache, split, self.scale, self.softcap)
         if regions is not None:  # rows as the batch, each over its own region: no gather
             length = mask.shape[-1]
             keys = region_view(k_cache, rows, regions, length)  # [R, Hkv, L, D]
             values = region_view(v_cache, rows, regions, length)
+            gqa = self.cfg.num_heads != self.cfg.num_kv_heads
             out = self.attend(q.transpose(0, 1)[:, :, None], keys, values, mask[:, None, None], gqa)
-            return self.wo(out.reshape(rows, -1))  # out: [R, H, 1, D]
+            return out[:, :, 0]  # [R, H, D]
         if groups is None:
-            out = self._attend(q, k_cache, v_cache, mask, key_slots, 0)  # [R, H, D]
-        else:  # each sequence's rows over its own region, exactly as in a pass of their own
-            out = torch.cat(
-                [
-                    self._attend(q[:, g.rows], k_cache, v_cache, g.mask, g.key_slots, g.base)
-                    for g in groups
-                ]
-            )  # [R, H, D]
-        return self.wo(out.reshape(rows, -1))
+            return self._attend(q, k_cache, v_cache, mask, key_slots, 0)  # [R, H, D]
+        # each sequence's rows over its own region, exactly as in a pass of their own
+        return torch.cat(
+            [
+                self._attend(q[:, g.rows], k_cache, v_cache, g.mask, g.key_slots, g.base)
+                for g in groups
+            ]
+        )  # [R, H, D]
 
     def _attend(
         self,

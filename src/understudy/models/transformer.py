@@ -36,6 +36,7 @@ mixture, soft caps); the forward pass has no branch on the architecture's name.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
@@ -46,6 +47,9 @@ from understudy.models.moe import MLP, SparseMoE
 from understudy.models.norms import RMSNorm, make_norm
 from understudy.models.rope import RopeScaling, Rotary, exact_positions
 from understudy.models.split_attention import SplitKeys, within_window
+
+if TYPE_CHECKING:
+    from understudy.kernels.fused_layer import FusedLayer
 
 __all__ = ["Block", "RMSNorm", "Transformer", "TransformerConfig", "region_view", "rotate_half"]
 
@@ -141,6 +145,9 @@ class Block(nn.Module):
             self.post_mlp_norm = make_norm(hidden, eps, offset)
         self.sliding = cfg.sliding(index)  # sees the last sliding_window positions only
         self.rope = 1 if self.sliding and cfg.local_rope_theta is not None else 0  # which rope
+        # the layer's work around attention in two C calls (kernels/fused_layer.py), set by
+        # the engine builder for a model on GGUF blocks; None = the modules above
+        self.fused: FusedLayer | None = None
 
 
 class Transformer(nn.Module):
@@ -239,6 +246,13 @@ class Transformer(nn.Module):
         for layer, k_cache, v_cache in zip(self.layers, self.k_cache, self.v_cache, strict=True):
             cos, sin = ropes[layer.rope]
             layer_mask, layer_split, layer_groups = views[layer.sliding]
+            if layer.fused is not None:
+                q = layer.fused.attention_input(x, cos, sin, slots, k_cache, v_cache)  # [H, R, D]
+                out = layer.attn.attend_rows(
+                    q, k_cache, v_cache, layer_mask, key_slots, layer_split, regions, layer_groups
+                )  # [R, H, D]
+                x = layer.fused.output(x, out)
+                continue
             attn = layer.attn(
                 layer.attn_norm(x), cos, sin, slots, layer_mask, k_cache, v_cache, key_slots,
                 layer_split, regions, layer_groups,

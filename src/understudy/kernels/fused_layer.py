@@ -1,0 +1,169 @@
+"""A decoder layer's work around its attention in two C calls (kernels/fused_layer.c).
+
+For a model whose linears all run from GGUF blocks (kernels/qgemm.py) and whose layers are
+the plain kind (RMSNorm, full rotary, no q/k norm, no sandwich norms, a SiLU-gated MLP:
+Llama, Qwen2, Mistral), `FusedLayer.attention_input` does norm, q/k/v projection, rotation
+and the cache write, and `FusedLayer.output` the output projection, residuals, norm and MLP.
+Between them the layer's own `Attention.attend_rows` decides which keys each row sees, so
+trees, windows and batched groups work as on the module path.
+
+Invariant: row-wise and row-invariant, like every step of a decode pass (the C file's header
+comment), and taken for EVERY pass of the model once installed (prefill too): a token's
+bits never depend on the path its pass took.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from functools import cache
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from understudy.kernels import qgemm
+from understudy.kernels.build import NATIVE_FLAGS, compile_shared
+from understudy.models.fetch import cache_dir
+from understudy.models.moe import MLP
+from understudy.models.norms import RMSNorm
+
+SOURCE = Path(__file__).with_name("fused_layer.c")
+MAX_PARTS = 4
+
+
+class LinearArgs(ctypes.Structure):
+    _fields_ = [
+        ("parts", ctypes.c_long),
+        ("in_features", ctypes.c_long),
+        ("out_features", ctypes.c_long),
+        ("kinds", ctypes.c_int * MAX_PARTS),
+        ("weights", ctypes.c_void_p * MAX_PARTS),
+        ("row_bytes", ctypes.c_long * MAX_PARTS),
+        ("biases", ctypes.c_void_p * MAX_PARTS),
+        ("first", ctypes.c_long * MAX_PARTS),
+        ("rows", ctypes.c_long * MAX_PARTS),
+    ]
+
+
+class LayerArgs(ctypes.Structure):
+    _fields_ = [
+        ("qgemm", ctypes.c_void_p),
+        ("qkv", LinearArgs),
+        ("o", LinearArgs),
+        ("gate_up", LinearArgs),
+        ("down", LinearArgs),
+        ("norm1", ctypes.c_void_p),
+        ("norm2", ctypes.c_void_p),
+        ("eps", ctypes.c_float),
+        ("hidden", ctypes.c_long),
+        ("heads", ctypes.c_long),
+        ("kv_heads", ctypes.c_long),
+        ("head_dim", ctypes.c_long),
+        ("intermediate", ctypes.c_long),
+    ]
+
+
+@cache
+def load() -> ctypes.CDLL | None:
+    """The compiled library, building it if needed; None when it (or qgemm) cannot be built."""
+    built = compile_shared(SOURCE, cache_dir() / "kernels", NATIVE_FLAGS)
+    if built is None or qgemm.load() is None:
+        return None
+    try:
+        lib = ctypes.CDLL(str(built))
+    except OSError:
+        return None
+    ptr, long = ctypes.c_void_p, ctypes.c_long
+    lib.understudy_layer_input.argtypes = [ptr, ptr, long, ptr, ptr, ptr, ptr, ptr, long, ptr]
+    lib.understudy_layer_input.argtypes += [ctypes.c_int]
+    lib.understudy_layer_input.restype = ctypes.c_int
+    lib.understudy_layer_output.argtypes = [ptr, ptr, ptr, long, ctypes.c_int]
+    lib.understudy_layer_output.restype = ctypes.c_int
+    return lib
+
+
+def linear_args(linear: nn.Module) -> LinearArgs | None:
+    """The C view of a QuantLinear whose parts all run in qgemm; None for anything else."""
+    if not isinstance(linear, qgemm.QuantLinear) or len(linear.dense) or len(linear.parts) > 4:
+        return None
+    args = LinearArgs(len(linear.parts), linear.in_features, linear.out_features)
+    for i, (kind, weight, row_bytes, bias, at, rows) in enumerate(linear.kernel_calls):
+        args.kinds[i], args.weights[i], args.row_bytes[i] = kind, weight, row_bytes
+        args.biases[i], args.first[i], args.rows[i] = bias or None, at // 4, rows
+    return args
+
+
+class FusedLayer:
+    """The two C calls of one layer; holds what their pointers point into."""
+
+    def __init__(self, block: nn.Module, args: LayerArgs, lib: ctypes.CDLL) -> None:
+        self.block = block  # keeps the weights, norms and the linears' blocks alive
+        self.args = args
+        self.lib = lib
+        cfg = block.attn.cfg
+        self.heads, self.kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+
+    @classmethod
+    def of(cls, block: nn.Module) -> FusedLayer | None:
+        """The fused form of a transformer Block, or None where the block is of a kind the C
+        code does not compute (or the kernels cannot be built)."""
+        lib = load()
+        attn, mlp, cfg = block.attn, block.mlp, block.attn.cfg
+        plain = (
+            isinstance(block.attn_norm, RMSNorm)
+            and isinstance(block.mlp_norm, RMSNorm)
+            and isinstance(block.post_attn_norm, nn.Identity)
+            and isinstance(block.post_mlp_norm, nn.Identity)
+            and isinstance(attn.q_norm, nn.Identity)
+            and cfg.rotary_dim in (None, cfg.head_dim)
+            and isinstance(mlp, MLP)
+            and cfg.hidden_act == "silu"
+            and block.attn_norm.weight.dtype == torch.float32
+        )
+        if lib is None or not plain:
+            return None
+        parts = [linear_args(m) for m in (attn.wqkv, attn.wo, mlp.w_gate_up, mlp.w_down)]
+        if any(p is None for p in parts):
+            return None
+        for norm in (block.attn_norm, block.mlp_norm):
+            assert norm.weight.is_contiguous()
+        address = ctypes.cast(qgemm.load().understudy_qgemm, ctypes.c_void_p).value
+        args = LayerArgs(
+            address, *parts, block.attn_norm.weight.data_ptr(), block.mlp_norm.weight.data_ptr(),
+            block.attn_norm.eps, cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
+            cfg.intermediate_size,
+        )  # fmt: skip
+        return cls(block, args, lib)
+
+    def attention_input(
+        self,
+        x: torch.Tensor,  # [R, hidden] float32
+        cos: torch.Tensor,  # [R, D]
+        sin: torch.Tensor,  # [R, D]
+        slots: torch.Tensor,  # [R] the cache slots of the rows' keys and values
+        k_cache: torch.Tensor,  # [Hkv, S, D], written at `slots`
+        v_cache: torch.Tensor,
+    ) -> torch.Tensor:
+        """Norm, projections, rotation, cache write: the rows' queries [H, R, D]."""
+        rows = x.shape[0]
+        x, cos, sin = x.contiguous(), cos.contiguous(), sin.contiguous()
+        slots = slots.to(torch.long).contiguous()
+        assert k_cache.is_contiguous() and v_cache.is_contiguous()
+        q = torch.empty(rows, self.heads, self.head_dim, dtype=torch.float32)
+        code = self.lib.understudy_layer_input(
+            ctypes.byref(self.args), x.data_ptr(), rows, cos.data_ptr(), sin.data_ptr(),
+            slots.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), k_cache.shape[1],
+            q.data_ptr(), torch.get_num_threads(),
+        )  # fmt: skip
+        assert code == 0, f"layer input failed ({code})"
+        return q.transpose(0, 1)  # [H, R, D]
+
+    def output(self, x: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
+        """x [R, hidden] after the attention output attn [R, H, D] and the MLP (in place)."""
+        x, attn = x.contiguous(), attn.contiguous()
+        code = self.lib.understudy_layer_output(
+            ctypes.byref(self.args), x.data_ptr(), attn.data_ptr(), x.shape[0],
+            torch.get_num_threads(),
+        )  # fmt: skip
+        assert code == 0, f"layer output failed ({code})"
+        return x

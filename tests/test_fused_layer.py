@@ -1,0 +1,99 @@
+"""kernels/fused_layer: a layer's work around its attention in two C calls, for models on
+GGUF blocks. It is taken where every linear of a layer runs in qgemm; it computes what the
+modules compute (within float rounding); and output stays exact on it: greedy speculative
+equals plain decoding bit for bit, batched answers equal their solo answers, and a seeded
+sampled answer is the same batched and alone."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from gguf_helpers import KERNEL_LAYER_TYPES, write_tiny_qwen2_gguf
+from understudy import Engine, SamplingParams
+from understudy.kernels import fused_layer, qgemm
+from understudy.models.runner import Runner
+
+pytestmark = [
+    pytest.mark.skipif(not qgemm.available(), reason="qgemm cannot be built here"),
+    pytest.mark.skipif(fused_layer.load() is None, reason="fused_layer cannot be built here"),
+    pytest.mark.usefixtures("one_thread"),
+]
+OPTIONS = dict(quantization="gguf", max_context=256)
+
+
+@pytest.fixture(scope="module")
+def kernel_pair(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, str]:
+    """(target, draft) whose layers are all of kernel types."""
+    root = tmp_path_factory.mktemp("fused")
+    target = write_tiny_qwen2_gguf(root / "t.gguf", seed=3, layer_types=KERNEL_LAYER_TYPES)
+    draft = write_tiny_qwen2_gguf(
+        root / "d.gguf", seed=4, tied=True, layer_types=KERNEL_LAYER_TYPES
+    )
+    return str(target), str(draft)
+
+
+def test_taken_where_every_linear_is_of_a_kernel_type(
+    kernel_pair: tuple[str, str], tmp_path: Path
+) -> None:
+    engine = Engine.from_pretrained(method="draft", target=kernel_pair[0], draft=kernel_pair[1],
+                                    **OPTIONS)  # fmt: skip
+    for model in (engine.target.model, engine.seat.drafter.draft_runner().model):
+        assert all(layer.fused is not None for layer in model.layers)
+    mixed = write_tiny_qwen2_gguf(tmp_path / "mixed.gguf", seed=5)  # attn_k in float16
+    plain = Engine.from_pretrained(method="none", target=str(mixed), **OPTIONS)
+    assert all(layer.fused is None for layer in plain.target.model.layers)
+
+
+def test_computes_what_the_modules_compute(kernel_pair: tuple[str, str]) -> None:
+    """Logits of a prompt and 4 decode rows through the fused layers and through the
+    modules: the same up to float rounding (relative RMS 1e-4; the int8 rounding of
+    activations can move a value by one step where rounding differs)."""
+    engine = Engine.from_pretrained(method="none", target=kernel_pair[0], **OPTIONS)
+    model = engine.target.model
+    tokens = torch.tensor([3, 17, 42, 7, 99, 250, 1, 64, 128, 5])
+    fused = [layer.fused for layer in model.layers]
+    logits = []
+    for use in (True, False):
+        for layer, f in zip(model.layers, fused, strict=True):
+            layer.fused = f if use else None
+        runner = Runner(model, 64, rows=16, pad=False)
+        first = runner.prefill(tokens[:6])
+        logits.append(torch.cat([first[None], runner.extend(tokens[6:])]))
+    for layer, f in zip(model.layers, fused, strict=True):
+        layer.fused = f
+    error = (logits[0] - logits[1]).norm() / logits[1].norm()
+    assert error < 1e-3, error
+    assert torch.equal(logits[0].argmax(-1), logits[1].argmax(-1))
+
+
+@pytest.mark.parametrize("method", ["draft", "ngram"])
+def test_greedy_speculative_and_batched_equal_plain(
+    kernel_pair: tuple[str, str], method: str
+) -> None:
+    target, draft = kernel_pair
+    plain = Engine.from_pretrained(method="none", target=target, **OPTIONS)
+    spec = Engine.from_pretrained(
+        method=method, target=target, draft=draft if method == "draft" else None,
+        num_speculative_tokens=3, max_num_seqs=3, **OPTIONS,
+    )  # fmt: skip
+    params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    prompts = [[5, 6, 7, 8, 5, 6, 7, 8, 5, 6], [9, 10, 11], [40, 41, 40, 41, 40, 41, 40]]
+    alone = [plain.generate(p, params).token_ids for p in prompts]
+    outs = spec.generate(prompts, params)
+    assert [o.token_ids for o in outs] == alone
+    assert sum(o.stats.drafted for o in outs) > 0
+
+
+def test_seeded_sampling_is_the_same_batched_and_alone(kernel_pair: tuple[str, str]) -> None:
+    target, draft = kernel_pair
+    spec = Engine.from_pretrained(method="draft", target=target, draft=draft,
+                                  num_speculative_tokens=3, max_num_seqs=2, **OPTIONS)  # fmt: skip
+    params = SamplingParams(max_tokens=20, temperature=0.9, seed=11, ignore_eos=True)
+    prompts = [[5, 6, 7, 8], [30, 31, 32, 33, 34]]
+    alone = [spec.generate(p, params).token_ids for p in prompts]
+    together = spec.generate(prompts, params)
+    assert [o.token_ids for o in together] == alone
+    assert sum(o.stats.drafted for o in together) > 0
