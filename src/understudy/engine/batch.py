@@ -245,7 +245,7 @@ class BatchLoop:
             Wish(
                 want,
                 s.params.greedy,
-                s.planner.expected_tokens,
+                s.planner.expected_tokens_upto(want).__getitem__,  # k <= want: one sweep
                 _lag(s.request),
                 s.request.emitter.remaining,
             )  # fmt: skip

@@ -7,6 +7,7 @@ partial file (the result is renamed into place).
 
 from __future__ import annotations
 
+import ctypes
 import hashlib
 import os
 import platform
@@ -62,3 +63,17 @@ def compile_shared(
             return None
         os.replace(built, target)
     return target
+
+
+def open_library(
+    source: Path, folder: Path, flags: tuple[str, ...] = NATIVE_FLAGS
+) -> ctypes.CDLL | None:
+    """`source` compiled (once, `compile_shared`) and loaded; None when either fails. The
+    caller declares the entry points' argument types."""
+    built = compile_shared(source, folder, flags)
+    if built is None:
+        return None
+    try:
+        return ctypes.CDLL(str(built))
+    except OSError:
+        return None

@@ -21,6 +21,8 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "exp_poly.h"
+
 #define LANES 16
 #define MAX_PARTS 4
 
@@ -70,27 +72,6 @@ static void rms_norm(const float *restrict x, const float *restrict w, float eps
         for (int l = 0; l < width; l++) acc[l] += acc[l + width];
     const float inv = 1.0f / sqrtf(acc[0] / (float)dim + eps);
     for (long i = 0; i < dim; i++) out[i] = w[i] * (x[i] * inv);
-}
-
-/* exp(x) for x <= 0: as kernels/span_attention.c's (exp(-87) below -87) */
-static inline float exp_nonpositive(float x) {
-    const float log2e = 1.4426950408889634f, round = 12582912.0f;
-    const float ln2_hi = 0.693145751953125f, ln2_lo = 1.428606765330187e-06f;
-    x = x < -87.0f ? -87.0f : x;
-    float n = (x * log2e + round) - round;
-    float r = (x - n * ln2_hi) - n * ln2_lo;
-    float p = 1.0f / 5040.0f;
-    p = p * r + 1.0f / 720.0f;
-    p = p * r + 1.0f / 120.0f;
-    p = p * r + 1.0f / 24.0f;
-    p = p * r + 1.0f / 6.0f;
-    p = p * r + 0.5f;
-    p = p * r + 1.0f;
-    p = p * r + 1.0f;
-    int bits = ((int)n + 127) << 23;
-    float two_n;
-    memcpy(&two_n, &bits, sizeof two_n);
-    return p * two_n;
 }
 
 /* out[i] = silu(gate[i]) * up[i], silu(g) = g * sigmoid(g), sigmoid from exp(-|g|) */

@@ -22,7 +22,7 @@ import torch
 from torch import nn
 
 from understudy.kernels import qgemm
-from understudy.kernels.build import NATIVE_FLAGS, compile_shared
+from understudy.kernels.build import open_library
 from understudy.models.fetch import cache_dir
 from understudy.models.moe import MLP
 from understudy.models.norms import RMSNorm
@@ -66,12 +66,8 @@ class LayerArgs(ctypes.Structure):
 @cache
 def load() -> ctypes.CDLL | None:
     """The compiled library, building it if needed; None when it (or qgemm) cannot be built."""
-    built = compile_shared(SOURCE, cache_dir() / "kernels", NATIVE_FLAGS)
-    if built is None or qgemm.load() is None:
-        return None
-    try:
-        lib = ctypes.CDLL(str(built))
-    except OSError:
+    lib = open_library(SOURCE, cache_dir() / "kernels")
+    if lib is None or qgemm.load() is None:
         return None
     ptr, long = ctypes.c_void_p, ctypes.c_long
     lib.understudy_layer_input.argtypes = [ptr, ptr, long, ptr, ptr, ptr, ptr, ptr, long, ptr]

@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from understudy.kernels.build import compile_shared
+from understudy.kernels.build import open_library
 from understudy.models.fetch import cache_dir
 
 SOURCE = Path(__file__).with_name("rowgemm.c")
@@ -34,12 +34,8 @@ FLAGS = ("-O3", "-march=native", "-fopenmp")  # its FMA chain is written out: no
 @cache
 def load() -> ctypes.CDLL | None:
     """The compiled kernel library, building it if needed; None when it cannot be built."""
-    built = compile_shared(SOURCE, cache_dir() / "kernels", FLAGS)
-    if built is None:
-        return None
-    try:
-        lib = ctypes.CDLL(str(built))
-    except OSError:
+    lib = open_library(SOURCE, cache_dir() / "kernels", FLAGS)
+    if lib is None:
         return None
     lib.understudy_rowgemm.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_long] * 3 + [ctypes.c_int]
     lib.understudy_rowgemm.restype = ctypes.c_int

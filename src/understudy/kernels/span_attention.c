@@ -22,35 +22,13 @@
 #include <math.h>
 #include <stdlib.h>
 #include <string.h>
+
+#include "exp_poly.h"
 #if defined(__AVX512F__)
 #include <immintrin.h>
 #endif
 
 #define LANES 16
-
-/* expf for x <= 0 (softmax arguments): 2^n * p(r), x = n ln2 + r, |r| <= ln2 / 2, p a
-   degree-7 Taylor polynomial (relative error < 2e-7, about 2 ulp); exp(-87) below -87. Branch-free
-   plain arithmetic, so a loop of it vectorises and gives a scalar evaluation's bits. */
-static inline float exp_nonpositive(float x) {
-    const float log2e = 1.4426950408889634f;
-    const float ln2_hi = 0.693145751953125f, ln2_lo = 1.428606765330187e-06f;
-    const float round = 12582912.0f;  /* 1.5 * 2^23: adding it rounds to an integer */
-    x = x < -87.0f ? -87.0f : x;
-    float n = (x * log2e + round) - round;
-    float r = (x - n * ln2_hi) - n * ln2_lo;
-    float p = 1.0f / 5040.0f;
-    p = p * r + 1.0f / 720.0f;
-    p = p * r + 1.0f / 120.0f;
-    p = p * r + 1.0f / 24.0f;
-    p = p * r + 1.0f / 6.0f;
-    p = p * r + 0.5f;
-    p = p * r + 1.0f;
-    p = p * r + 1.0f;
-    int bits = ((int)n + 127) << 23;
-    float two_n;
-    memcpy(&two_n, &bits, sizeof two_n);
-    return p * two_n;
-}
 
 /* q . k_j for 4 keys at once (k + j * stride): each in LANES partial sums over the
    features (lane l sums features l, l + 16, ...), then the tree l += l + 8, l += l + 4,

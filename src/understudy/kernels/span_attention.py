@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from understudy.kernels.build import NATIVE_FLAGS, compile_shared
+from understudy.kernels.build import NATIVE_FLAGS, open_library
 from understudy.models.fetch import cache_dir
 
 SOURCE = Path(__file__).with_name("span_attention.c")
@@ -28,12 +28,8 @@ SOURCE = Path(__file__).with_name("span_attention.c")
 def load(flags: tuple[str, ...] = NATIVE_FLAGS) -> ctypes.CDLL | None:
     """span_attention.c compiled with `flags` (default: for this CPU), building it if needed;
     None when it cannot be built."""
-    built = compile_shared(SOURCE, cache_dir() / "kernels", flags)
-    if built is None:
-        return None
-    try:
-        lib = ctypes.CDLL(str(built))
-    except OSError:
+    lib = open_library(SOURCE, cache_dir() / "kernels", flags)
+    if lib is None:
         return None
     ptr, long = ctypes.c_void_p, ctypes.c_long
     lib.understudy_span_attention.argtypes = (

@@ -50,11 +50,15 @@ class AdaptiveK:
         return self.hits[i] / self.tries[i]
 
     def expected_tokens(self, k: int) -> float:
-        total, reach = 1.0, 1.0
+        return self.expected_tokens_upto(k)[k]
+
+    def expected_tokens_upto(self, k: int) -> list[float]:
+        """[E(0), E(1), ..., E(k)]: modelled tokens of rounds of 0..k guesses, in one sweep."""
+        table, reach = [1.0], 1.0
         for i in range(k):
             reach *= self.acceptance(i)
-            total += reach
-        return total
+            table.append(table[-1] + reach)
+        return table
 
     def rate(self, k: int) -> float:
         """Modelled tokens per target-pass-equivalent of a round of k guesses."""

@@ -67,9 +67,13 @@ class RoundPlanner:
     def expected_tokens(self, k: int) -> float:
         """Modelled tokens a chain round of k guesses yields (automatic K's estimates; with
         K fixed, the prior's)."""
+        return self.expected_tokens_upto(k)[k]
+
+    def expected_tokens_upto(self, k: int) -> list[float]:
+        """[expected_tokens(0), ..., expected_tokens(k)], in one sweep."""
         if self.adaptive is None:
-            return AdaptiveK(max(self.k_max, 1), 0.0).expected_tokens(k)
-        return self.adaptive.expected_tokens(k)
+            return AdaptiveK(max(self.k_max, k, 1), 0.0).expected_tokens_upto(k)
+        return self.adaptive.expected_tokens_upto(k)
 
     def observe(self, tree: bool, drafted: int, accepted: int, depth: int) -> None:
         """A verified round: a tree or a chain of `drafted` guesses (nodes), `accepted` of
