@@ -65,7 +65,8 @@ class AdaptiveK:
         return self.expected_tokens(k) / (k * self.c + 1.0 + k * self.v)
 
     def choose(self) -> int:
-        rates = [1.0] + [self.rate(k) for k in range(1, self.k_max + 1)]  # rates[0]: plain
+        tokens = self.expected_tokens_upto(self.k_max)  # one sweep: rate(k) for every k
+        rates = [tokens[k] / (k * self.c + 1.0 + k * self.v) for k in range(self.k_max + 1)]
         best = max(rates)
         # near the optimum the curve is flat, and real acceptance is burstier than the
         # per-position model (a draft that is right keeps being right), which understates
