@@ -137,7 +137,8 @@ class Attention(nn.Module):
         self.rows_apart_upto = 0
         # passes of at most span_rows rows score each row whose keys are one run (a chain's,
         # a window's, a tree node's gathered path) in kernels/span_attention, one call for all
-        # of them: row-invariant by construction, and ~10x cheaper than a torch call a row.
+        # of them: row-invariant by construction; in a pass of the 1.5B target it cut attention
+        # from 6.7 to 2.5 ms at 1 row and from 39.5 to 18.4 ms at 16 (one thread).
         # 0 = off (float32 on a CPU only; the engine builder turns it on).
         self.span_rows = 0
 
