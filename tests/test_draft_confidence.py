@@ -84,10 +84,34 @@ def test_auto_confidence_follows_k(tiny_pair):
     chosen = Engine.from_pretrained(
         target=target, draft=draft, dtype="float32", draft_path_confidence=0.2
     )
-    assert automatic.drafter.path_confidence == AUTO_PATH_CONFIDENCE > 0
+    guess = automatic.costs.draft_step + automatic.costs.row
+    assert automatic.drafter.path_confidence == min(max(AUTO_PATH_CONFIDENCE, guess), 1.0)
+    assert automatic.drafter.path_confidence >= AUTO_PATH_CONFIDENCE > 0
     assert automatic.drafter.confidence == 0.0
     assert fixed.drafter.path_confidence == 0.0 and not fixed.drafter.stops_by_confidence
     assert chosen.drafter.path_confidence == 0.2
+
+
+@pytest.mark.parametrize(
+    ("c", "v", "automatic_k", "settled"),
+    [
+        (0.05, 0.0, True, 0.2),
+        (0.45, 0.15, True, 0.6),
+        (0.9, 0.3, True, 1.0),
+        (0.45, 0.15, False, 0.0),
+    ],
+)
+def test_auto_path_confidence_is_at_least_what_a_guess_costs(tiny_pair, c, v, automatic_k, settled):
+    """A guess costs c + v target passes; plain decoding earns a token a pass, so under
+    automatic K a round stops where the chance of keeping it falls below c + v (floor 0.2)."""
+    from understudy.policy.costs import Costs
+
+    target, draft = tiny_pair
+    drafter = Engine.from_pretrained(target=target, draft=draft, dtype="float32").drafter
+    drafter.path_confidence = None  # "auto", as the builder hands it over
+    drafter.use_costs(Costs(draft_step=c, row=v))
+    drafter.settle_confidence(automatic_k)
+    assert drafter.path_confidence == pytest.approx(settled)
 
 
 def test_path_confidence_stops_on_the_product(tiny_pair):

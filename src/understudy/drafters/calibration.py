@@ -20,8 +20,13 @@ which keeps verification exact under sampling, and seeded sampling reproducible.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from understudy.config import UnderstudyError
 from understudy.drafters.base import Drafter, positive_int, take_options, threshold
+
+if TYPE_CHECKING:
+    from understudy.policy.costs import Costs
 
 
 class AcceptanceCalibration:
@@ -90,9 +95,14 @@ class RoundRecord:
 class DoubtRules(Drafter):
     """The two round-ending rules a chain drafter may take (draft_confidence and
     draft_path_confidence, drafters/draft_model.py), shared by method="draft" and "eagle".
-    A subclass sets `auto_path_confidence`, what "auto" (None) becomes under automatic K."""
+    A subclass sets `auto_path_confidence`, what "auto" (None) becomes under automatic K, at
+    least: a guess costs its draft step and its target row, c + v target passes, where plain
+    decoding earns one token a pass, so a guess whose round is kept with a lower chance than
+    c + v earns less than plain decoding would in its time (use_costs). On a CPU where a draft
+    step is half a target pass this ends rounds far earlier than the tuned floor."""
 
     auto_path_confidence = 0.0
+    guess_cost = 0.0  # c + v, measured when the engine is built (use_costs)
     confidence: float | None
     path_confidence: float | None
     record: RoundRecord
@@ -109,7 +119,11 @@ class DoubtRules(Drafter):
         if self.confidence is None:
             self.confidence = 0.0
         if self.path_confidence is None:
-            self.path_confidence = self.auto_path_confidence if automatic_k else 0.0
+            auto = min(max(self.auto_path_confidence, self.guess_cost), 1.0)
+            self.path_confidence = auto if automatic_k else 0.0
+
+    def use_costs(self, costs: Costs) -> None:
+        self.guess_cost = costs.draft_step + costs.row
 
     @property
     def stops_by_confidence(self) -> bool:

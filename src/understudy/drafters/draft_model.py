@@ -16,9 +16,10 @@ draft step and target row wasted):
   request (drafters/calibration.py): it starts as the draft's own product and learns where
   the draft is over- or under-confident.
 draft_confidence defaults to 0 (off). draft_path_confidence defaults to "auto": under
-num_speculative_tokens="auto" the engine sets AUTO_PATH_CONFIDENCE (0.2), and rounds may then
-run up to the whole row budget, the draft's doubt ending each one (engine.py); under a fixed K,
-which the user chose, it is off (0).
+num_speculative_tokens="auto" the engine sets AUTO_PATH_CONFIDENCE (0.2), or c + v where a
+guess costs more than that (calibration.DoubtRules), and rounds may then run up to the whole
+row budget, the draft's doubt ending each one (engine.py); under a fixed K, which the user
+chose, it is off (0).
 
 Trees (option tree="on" | "auto", EAGLE-2 style, Li et al. 2024): `propose_tree` grows a
 dynamic tree. Each node's score is its cumulative draft probability (the product of the
@@ -107,9 +108,11 @@ class DraftModelProposer(DoubtRules):
             )
         runner = self.runner
         seat = Runner(runner.model, runner.max_context, first_slot=index * runner.slots)
-        return DraftModelProposer(
+        drafter = DraftModelProposer(
             seat, self.tree, self.branching, self.confidence, self.path_confidence
         )
+        drafter.guess_cost = self.guess_cost
+        return drafter
 
     def propose(
         self, tokens: list[int], k: int, params: SamplingParams, generator: torch.Generator

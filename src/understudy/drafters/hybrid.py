@@ -194,6 +194,7 @@ class HybridProposer(Drafter):
             self.live_cost = LiveCostRatio(costs.draft_step)
             self.catch_up_ratio = costs.catch_up
         self.row_cost = costs.row
+        self.model.use_costs(costs)  # the floor of its rounds' doubt (calibration.DoubtRules)
 
     def _reset_estimates(self) -> None:
         self.free_hits = [p * PRIOR_WEIGHT for p in FREE_PRIOR]
