@@ -95,11 +95,12 @@ class RoundRecord:
 class DoubtRules(Drafter):
     """The two round-ending rules a chain drafter may take (draft_confidence and
     draft_path_confidence, drafters/draft_model.py), shared by method="draft" and "eagle".
-    A subclass sets `auto_path_confidence`, what "auto" (None) becomes under automatic K, at
-    least: a guess costs its draft step and its target row, c + v target passes, where plain
-    decoding earns one token a pass, so a guess whose round is kept with a lower chance than
-    c + v earns less than plain decoding would in its time (use_costs). On a CPU where a draft
-    step is half a target pass this ends rounds far earlier than the tuned floor."""
+    Under automatic K, "auto" (None) becomes the subclass's `auto_path_confidence` or c + v,
+    whichever is more: a guess costs its draft step and its target row, c + v target passes,
+    and plain decoding earns one token a pass, so a guess whose round is kept with a lower
+    chance than c + v earns less than plain decoding would in its time (use_costs). On a CPU
+    where a draft step is half a target pass this ends rounds far earlier than the tuned
+    value alone."""
 
     auto_path_confidence = 0.0
     guess_cost = 0.0  # c + v, measured when the engine is built (use_costs)
