@@ -163,3 +163,31 @@ def test_every_instruction_set_quantizes_edge_rows_alike(build: str) -> None:
         vector = linear(x)
         linear._fn = other.understudy_qgemm
         torch.testing.assert_close(linear(x), vector, rtol=0, atol=0, equal_nan=True)
+
+
+def test_a_packed_memory_map_stays_readable_after_its_pages_are_released(tmp_path) -> None:
+    """After packing, a memory-mapped tensor's pages are dropped (madvise) but its bytes stay
+    readable: weight_rows still dequantizes the file's rows, and the product equals that of
+    the same blocks held in the process's own memory."""
+    weight = random_blocks(T.Q4_K, 48, 4096, seed=40)
+    path = tmp_path / "blocks.bin"
+    weight.data.tofile(path)
+    mapped = np.memmap(path, dtype=np.uint8, mode="r", shape=weight.data.shape)
+    from_file = qgemm.QuantLinear([qgemm.GGUFTensor(T.Q4_K, mapped, 48, 4096)], None)
+    in_memory = qgemm.QuantLinear([weight], None)
+    x = torch.randn(3, 4096)
+    assert torch.equal(from_file(x), in_memory(x))
+    index = torch.tensor([47, 0, 13])
+    expected = torch.from_numpy(dequantize(weight.data[index.numpy()], T.Q4_K))
+    assert torch.equal(from_file.weight_rows(index), expected)
+
+
+def test_panels_pad_a_partial_last_panel_without_writing_past_it() -> None:
+    """Out features that do not fill the last 16-column panel: the columns past the tensor
+    are never written (a sentinel beside them survives) and the ones inside are right."""
+    weight = random_blocks(T.Q8_0, 21, 64, seed=41)
+    linear = qgemm.QuantLinear([weight, random_blocks(T.Q5_0, 5, 64, seed=42)], None)
+    x = torch.randn(2, 64)
+    y = linear(x)
+    alone = qgemm.QuantLinear([weight], None)(x)
+    assert torch.equal(y[:, :21], alone)

@@ -26,16 +26,14 @@
 #define LANES 16
 #define MAX_PARTS 4
 
-typedef int (*qgemm_fn)(int type, const float *x, const void *w, long row_bytes,
-                        const float *bias, float *y, long ldy, long M, long K, long N,
-                        int threads);
+typedef int (*qgemm_fn)(int type, const float *x, const void *packed, const float *bias,
+                        float *y, long ldy, long M, long K, long N, int threads);
 
 /* y = x W^T + b with W the concatenation (along out) of up to MAX_PARTS block tensors. */
 typedef struct {
     long parts, in_features, out_features;
     int kinds[MAX_PARTS];
-    const void *weights[MAX_PARTS];
-    long row_bytes[MAX_PARTS];
+    const void *weights[MAX_PARTS];  /* in qgemm's panel layout */
     const float *biases[MAX_PARTS];  /* NULL: none */
     long first[MAX_PARTS];           /* the part's first output column */
     long rows[MAX_PARTS];            /* its output columns */
@@ -52,9 +50,9 @@ typedef struct {
 static int apply(const layer_t *L, const linear_t *lin, const float *x, float *y, long rows,
                  int threads) {
     for (long p = 0; p < lin->parts; p++) {
-        int code = L->qgemm(lin->kinds[p], x, lin->weights[p], lin->row_bytes[p],
-                            lin->biases[p], y + lin->first[p], lin->out_features, rows,
-                            lin->in_features, lin->rows[p], threads);
+        int code = L->qgemm(lin->kinds[p], x, lin->weights[p], lin->biases[p],
+                            y + lin->first[p], lin->out_features, rows, lin->in_features,
+                            lin->rows[p], threads);
         if (code) return code;
     }
     return 0;

@@ -38,7 +38,6 @@ class LinearArgs(ctypes.Structure):
         ("out_features", ctypes.c_long),
         ("kinds", ctypes.c_int * MAX_PARTS),
         ("weights", ctypes.c_void_p * MAX_PARTS),
-        ("row_bytes", ctypes.c_long * MAX_PARTS),
         ("biases", ctypes.c_void_p * MAX_PARTS),
         ("first", ctypes.c_long * MAX_PARTS),
         ("rows", ctypes.c_long * MAX_PARTS),
@@ -83,8 +82,8 @@ def linear_args(linear: nn.Module) -> LinearArgs | None:
     if not isinstance(linear, qgemm.QuantLinear) or len(linear.dense) or len(linear.parts) > 4:
         return None
     args = LinearArgs(len(linear.parts), linear.in_features, linear.out_features)
-    for i, (kind, weight, row_bytes, bias, at, rows) in enumerate(linear.kernel_calls):
-        args.kinds[i], args.weights[i], args.row_bytes[i] = kind, weight, row_bytes
+    for i, (kind, weight, bias, at, rows) in enumerate(linear.kernel_calls):
+        args.kinds[i], args.weights[i] = kind, weight
         args.biases[i], args.first[i], args.rows[i] = bias or None, at // 4, rows
     return args
 

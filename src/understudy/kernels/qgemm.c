@@ -1,25 +1,27 @@
-/* Row-invariant matmul over a GGUF file's own quantized blocks, for CPUs:
- * y[m, n] = sum_k x[m, k] * W[n, k] (+ bias[n]), W[n] one row of GGUF blocks.
+/* Row-invariant matmul over a GGUF file's quantized blocks, for CPUs:
+ * y[m, n] = sum_k x[m, k] * W[n, k] (+ bias[n]), W's rows GGUF blocks, repacked once.
+ *
+ * Layout (understudy_qpack): the columns go in panels of 16 (the last one padded with
+ * zero columns); a panel holds, block after block, the 16 columns' block b side by side,
+ * so one 512-bit register holds 4 consecutive values of each of the 16 columns and one
+ * int8 dot-product instruction advances 16 columns at once against 4 activations
+ * broadcast. The bytes are the same blocks rearranged (the same count, plus 64 bytes of
+ * unpacked scales per Q4_K panel-block); the weights are read once per call, at memory
+ * speed, for 1 row as for several.
  *
  * How: each row of x is quantized on its own to int8, one float scale per block of the
- * weight's block size (256 for the k-quants Q4_K and Q6_K, 32 for Q8_0 and Q5_0), plus the
- * sums of each 16 quantized values (the k-quants' mins and offsets need them). A block's
- * contribution to y[m, n] is an exact integer dot product of weight and activation ints,
- * computed in 8 int32 lanes, times float scales; the float partial sums accumulate in 8
- * lanes in block order (block 0, 1, ... of the row), then the 8 lanes are added in one
- * fixed tree, then the bias.
+ * weight's block size (256 for the k-quants Q4_K and Q6_K, 32 for Q8_0 and Q5_0), with the
+ * sums of each 16 quantized values (the offsets and mins need them). A block's
+ * contribution to y[m, n] is an exact integer (its 4-bit x 8-bit products summed in int32,
+ * times the integer sub-block scales) converted to float once and multiplied by the float
+ * product s * d of the row's and the column's block scales; one float accumulator per
+ * (row, column) takes the blocks in order, with fused multiply-adds; then the bias.
  *
- * Invariant: every step above depends only on row m of x and row n of W. Integer sums are
- * exact whatever their order, and the float steps run in one fixed order. So y[m, n] is
- * bitwise the same whether row m is computed alone or among M-1 others, whatever they
- * hold, however the columns are split across threads. The scalar fallback computes the
- * same integers in the same lanes and the same float steps (fmaf rounds once, as the
- * vector FMA does), so it gives the AVX2 path's bits.
- *
- * Speed: the weights are read in their GGUF layout (row-major, blocks contiguous), each
- * block is unpacked once per call into a small buffer and then serves every row of a tile
- * of up to TILE rows, so a call of a few rows reads the weights from memory once, as a
- * 1-row call does. Calls of more rows take TILE rows at a time.
+ * Invariant: every step depends only on row m of x and column n of W, in one fixed order.
+ * Integer sums are exact whatever their grouping. So y[m, n] is bitwise the same whether
+ * row m is computed alone or among M-1 others, whatever they hold, however the panels are
+ * split across threads. The portable C path computes the same integers and the same float
+ * steps as the AVX-512 one (fmaf rounds once, as the vector FMA does): the same bits.
  */
 #include <math.h>
 #include <stdint.h>
@@ -28,13 +30,9 @@
 #ifdef _OPENMP
 #include <omp.h>
 #endif
-#if defined(__AVX2__) && defined(__FMA__)
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && \
+    defined(__AVX512VNNI__) && defined(__F16C__)
 #include <immintrin.h>
-#define QG_AVX2 1
-#else
-#define QG_AVX2 0
-#endif
-#if QG_AVX2 && defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
 #define QG_AVX512 1
 #define QG_UNUSED_IN_AVX512 __attribute__((unused)) /* the AVX-512 path replaces it */
 #else
@@ -48,13 +46,11 @@
 #define T_Q4_K 12
 #define T_Q6_K 14
 
-#define TILE 32 /* rows per pass over the weights */
+#define PANEL 16 /* columns side by side */
+#define ROW_TILE 32 /* rows whose activations one pass over the panels serves (L2-sized) */
 #define SERIAL_BELOW 1e6 /* multiply-adds: smaller calls run on one thread (no fork/join) */
 
 static float half_to_float(uint16_t h) {
-#if QG_AVX2 && defined(__F16C__)
-    return _cvtsh_ss(h); /* the same value, one instruction */
-#endif
     uint32_t sign = (uint32_t)(h & 0x8000) << 16, exp = (h >> 10) & 0x1f, man = h & 0x3ff, bits;
     if (exp == 0x1f) {
         bits = sign | 0x7f800000u | (man << 13);
@@ -79,12 +75,189 @@ static float half_to_float(uint16_t h) {
 
 static uint16_t read_u16(const uint8_t *p) { return (uint16_t)(p[0] | (p[1] << 8)); }
 
+static long block_size(int type) { return type == T_Q4_K || type == T_Q6_K ? 256 : 32; }
+
+/* bytes of one GGUF block */
+static long block_bytes(int type) {
+    switch (type) {
+    case T_Q4_K: return 144;
+    case T_Q6_K: return 210;
+    case T_Q8_0: return 34;
+    case T_Q5_0: return 22;
+    default: return 0;
+    }
+}
+
+/* bytes of one panel-block: 16 columns' block b (the layouts below) */
+static long panel_bytes(int type) {
+    switch (type) {
+    case T_Q4_K: return 2368;
+    case T_Q6_K: return 3360;
+    case T_Q8_0: return 544;
+    case T_Q5_0: return 352;
+    default: return 0;
+    }
+}
+
+/* ---- GGUF blocks, unpacked (value order) ------------------------------------------------ */
+
+/* Q4_K: value e = d * sc[e / 32] * q[e] - dmin * mn[e / 32], q 0..15 */
+static void unpack_q4_k(const uint8_t *blk, uint8_t q[256], int sc[8], int mn[8], uint16_t *d,
+                        uint16_t *dmin) {
+    const uint8_t *s = blk + 4, *qs = blk + 16;
+    *d = read_u16(blk);
+    *dmin = read_u16(blk + 2);
+    for (int j = 0; j < 8; ++j) {
+        if (j < 4) {
+            sc[j] = s[j] & 63;
+            mn[j] = s[j + 4] & 63;
+        } else {
+            sc[j] = (s[j + 4] & 0xf) | ((s[j - 4] >> 6) << 4);
+            mn[j] = (s[j + 4] >> 4) | ((s[j] >> 6) << 4);
+        }
+    }
+    for (int c = 0; c < 4; ++c)
+        for (int i = 0; i < 32; ++i) {
+            q[64 * c + i] = qs[32 * c + i] & 0xf;
+            q[64 * c + 32 + i] = qs[32 * c + i] >> 4;
+        }
+}
+
+/* Q6_K: value e = d * sc[e / 16] * (q[e] - 32), q 0..63 */
+static void unpack_q6_k(const uint8_t *blk, uint8_t q[256], int8_t sc[16], uint16_t *d) {
+    const uint8_t *ql = blk, *qh = blk + 128;
+    memcpy(sc, blk + 192, 16);
+    *d = read_u16(blk + 208);
+    for (int h = 0; h < 2; ++h)
+        for (int f = 0; f < 128; ++f) {
+            uint8_t lo = ql[64 * h + (f & 63)];
+            lo = f < 64 ? (lo & 0xf) : (lo >> 4);
+            uint8_t hi = (qh[32 * h + (f & 31)] >> (2 * (f / 32))) & 3;
+            q[128 * h + f] = (uint8_t)(lo | (hi << 4));
+        }
+}
+
+/* Q8_0 and Q5_0: value e = d * w[e], w signed (Q5_0: its 5-bit q - 16) */
+static void unpack_32(int type, const uint8_t *blk, int8_t w[32], uint16_t *d) {
+    *d = read_u16(blk);
+    if (type == T_Q8_0) {
+        memcpy(w, blk + 2, 32);
+        return;
+    }
+    uint32_t qh = (uint32_t)blk[2] | ((uint32_t)blk[3] << 8) | ((uint32_t)blk[4] << 16) |
+                  ((uint32_t)blk[5] << 24);
+    const uint8_t *qs = blk + 6;
+    for (int i = 0; i < 32; ++i) {
+        int lo = i < 16 ? (qs[i] & 0xf) : (qs[i - 16] >> 4);
+        w[i] = (int8_t)((lo | (((qh >> i) & 1) << 4)) - 16);
+    }
+}
+
+/* ---- the panel layouts --------------------------------------------------------------------
+ * Column c (0..15) of a panel; "pair t" is 64 bytes whose byte 4c + i holds, in its low
+ * nibble, value 8t + i of column c and, in its high nibble, value 8t + 4 + i (i = 0..3), so
+ * one load gives two registers of 4 values x 16 columns.
+ *
+ * Q4_K, 2368 bytes: d[16], dmin[16] (float16); sc[8][16] (u8, sub-block j's scale of column
+ *   c); mn[4][16][2] (u8, the mins of sub-blocks 2p, 2p + 1 of column c); 32 pairs.
+ * Q6_K, 3360 bytes: d[16] (float16); sc[8][16][2] (int8, the scales of 16-value sub-blocks
+ *   2p, 2p + 1); 32 pairs of the low 4 bits; 16 quads of the top 2 bits: quad u's byte
+ *   4c + i holds those of values 16u + i, + 4, + 8, + 12 of column c at bits 0, 2, 4, 6.
+ * Q8_0, 544 bytes: d[16] (float16); 8 groups of 64 bytes, byte 4c + i = w(c, 4g + i) + 128.
+ * Q5_0, 352 bytes: d[16] (float16); 4 pairs of its low 4 bits; 8 groups of 8 bytes of its
+ *   fifth bits, bit 4c + i of group g that of value 4g + i of column c. */
+
+static void pack_pairs(uint8_t *out, const uint8_t *q, long stride, int values) {
+    /* q: column c's values at q + c * stride; low 4 bits of each */
+    for (int t = 0; t < values / 8; ++t)
+        for (int c = 0; c < PANEL; ++c)
+            for (int i = 0; i < 4; ++i)
+                out[64 * t + 4 * c + i] = (uint8_t)((q[c * stride + 8 * t + i] & 0xf) |
+                                                    ((q[c * stride + 8 * t + 4 + i] & 0xf) << 4));
+}
+
+static void pack_block(int type, const uint8_t *const blk[PANEL], uint8_t *out) {
+    long bytes = panel_bytes(type);
+    uint8_t q[PANEL][256];
+    memset(out, 0, (size_t)bytes);
+    memset(q, 0, sizeof(q));
+    for (int c = 0; c < PANEL; ++c) {
+        if (!blk[c]) continue; /* a padding column: all zero */
+        uint16_t d, dmin;
+        if (type == T_Q4_K) {
+            int sc[8], mn[8];
+            unpack_q4_k(blk[c], q[c], sc, mn, &d, &dmin);
+            memcpy(out + 2 * c, &d, 2);
+            memcpy(out + 32 + 2 * c, &dmin, 2);
+            for (int j = 0; j < 8; ++j) {
+                out[64 + 16 * j + c] = (uint8_t)sc[j];
+                out[192 + 32 * (j / 2) + 2 * c + j % 2] = (uint8_t)mn[j];
+            }
+        } else if (type == T_Q6_K) {
+            int8_t sc[16];
+            unpack_q6_k(blk[c], q[c], sc, &d);
+            memcpy(out + 2 * c, &d, 2);
+            for (int j = 0; j < 16; ++j) out[32 + 32 * (j / 2) + 2 * c + j % 2] = (uint8_t)sc[j];
+            for (int u = 0; u < 16; ++u)
+                for (int i = 0; i < 4; ++i) {
+                    uint8_t h = 0;
+                    for (int k = 0; k < 4; ++k) h |= (uint8_t)((q[c][16 * u + 4 * k + i] >> 4) << (2 * k));
+                    out[2336 + 64 * u + 4 * c + i] = h;
+                }
+        } else {
+            int8_t w[32];
+            unpack_32(type, blk[c], w, &d);
+            memcpy(out + 2 * c, &d, 2);
+            for (int e = 0; e < 32; ++e) {
+                if (type == T_Q8_0) {
+                    out[32 + 64 * (e / 4) + 4 * c + e % 4] = (uint8_t)(w[e] + 128);
+                } else {
+                    int v = w[e] + 16; /* 0..31 */
+                    q[c][e] = (uint8_t)(v & 0xf);
+                    if (v & 0x10) out[288 + 8 * (e / 4) + (4 * c + e % 4) / 8] |= (uint8_t)(1u << ((4 * c + e % 4) % 8));
+                }
+            }
+        }
+    }
+    if (type == T_Q4_K) pack_pairs(out + 320, &q[0][0], 256, 256);
+    if (type == T_Q6_K) pack_pairs(out + 288, &q[0][0], 256, 256);
+    if (type == T_Q5_0) pack_pairs(out + 32, &q[0][0], 256, 32);
+}
+
+/* Bytes of W [N, K] of `type` packed (0: a type or K it does not take). */
+long understudy_qpack_bytes(int type, long K, long N) {
+    long bsize = block_size(type), pb = panel_bytes(type);
+    if (pb == 0 || K <= 0 || N <= 0 || K % bsize) return 0;
+    return (N + PANEL - 1) / PANEL * (K / bsize) * pb;
+}
+
+/* W: N rows of row_bytes bytes, each K / block_size GGUF blocks of `type`, into out
+ * (understudy_qpack_bytes bytes, the panel layout). Returns 0, or -1 for what it does not
+ * take. Panels on OpenMP threads. */
+int understudy_qpack(int type, const uint8_t *w, long row_bytes, long K, long N, uint8_t *out,
+                     int threads) {
+    long bsize = block_size(type), bbytes = block_bytes(type), pb = panel_bytes(type);
+    if (understudy_qpack_bytes(type, K, N) == 0 || row_bytes < K / bsize * bbytes) return -1;
+    long nb = K / bsize, panels = (N + PANEL - 1) / PANEL;
+#pragma omp parallel for schedule(static) num_threads(threads > 0 ? threads : 1)
+    for (long p = 0; p < panels; ++p)
+        for (long b = 0; b < nb; ++b) {
+            const uint8_t *blk[PANEL];
+            for (int c = 0; c < PANEL; ++c) {
+                long n = p * PANEL + c;
+                blk[c] = n < N ? w + n * row_bytes + b * bbytes : NULL;
+            }
+            pack_block(type, blk, out + (p * nb + b) * pb);
+        }
+    return 0;
+}
+
 /* ---- activations ----------------------------------------------------------------------- */
 
-/* Row m of x [M, K] -> q [K] int8 (|q| <= 127), one scale per `block` values, and the sum of
- * each 16 quantized values (bsum [K / 16]). Each row alone decides its own scales. */
-QG_UNUSED_IN_AVX512 static void quantize_row(const float *x, long K, int block, int8_t *q,
-                                             float *scale, int16_t *bsum) {
+/* Row x [K] -> q [K] int8 (|q| <= 127), one scale per `block` values, and the sum of each
+ * 16 quantized values (bsum [K / 16]). Each row alone decides its own scales. */
+QG_UNUSED_IN_AVX512 static void quantize_row(const float *x, long K, int block, int8_t *q, float *scale,
+                         int16_t *bsum) {
     for (long b = 0; b < K / block; ++b) {
         const float *xb = x + b * block;
         float amax = 0.0f;
@@ -104,421 +277,192 @@ QG_UNUSED_IN_AVX512 static void quantize_row(const float *x, long K, int block, 
     }
 }
 
-/* ---- k-quants (256 values a block) -------------------------------------------------------
- * Unpacked block: q[256] unsigned (Q4_K 0..15, Q6_K 0..63); sc[t] the 16 int16 multipliers
- * of chunk t's 16 pair sums (the sub-block scales); mn[16] the int16 weights of the 16
- * activation sums per 16 values (Q4_K: its mins; Q6_K: 32 x its scales, the offset).
- *   Q4_K: block = s * (d * I - dmin * J);  Q6_K: block = s * d * (I - J)
- * with I = sum_t sc[t] . (q . a)_t and J = mn . bsum, both exact int32 (in 8 lanes). */
+/* A call's quantized rows: row m's ints at q + m * K, its block scales at s + m * nb, its
+ * sums per 16 values at s16 + m * (K / 16) and per 32 at s32 + m * (K / 32). */
 typedef struct {
-    uint8_t q[256];
-    int16_t sc[8][16];
-    int16_t mn[16];
-    float d, dmin;
-} kblock;
+    const int8_t *q;
+    const float *s;
+    const int16_t *s16, *s32;
+    long K, nb;
+} acts_t;
 
-static void q4_k_scales(const uint8_t *s, int sc[8], int m[8]) {
-    for (int j = 0; j < 8; ++j) {
-        if (j < 4) {
-            sc[j] = s[j] & 63;
-            m[j] = s[j + 4] & 63;
+/* ---- the portable path -------------------------------------------------------------------
+ * One panel for one row: out[c] = the float accumulator of column c after every block. */
+QG_UNUSED_IN_AVX512 static void panel_row(int type, const uint8_t *pk, const acts_t *A, long m, float out[PANEL]) {
+    const long K = A->K, nb = A->nb, pb = panel_bytes(type);
+    const int8_t *a = A->q + m * K;
+    const float *s = A->s + m * nb;
+    const int16_t *s16 = A->s16 + m * (K / 16), *s32 = A->s32 + m * (K / 32);
+    float f[PANEL] = {0};
+    for (long b = 0; b < nb; ++b) {
+        const uint8_t *blk = pk + b * pb;
+        int32_t isum[PANEL] = {0}, jsum[PANEL] = {0};
+        if (type == T_Q4_K || type == T_Q6_K) {
+            const int q4 = type == T_Q4_K, subs = q4 ? 8 : 16, width = 256 / subs;
+            const uint8_t *lo4 = blk + (q4 ? 320 : 288), *top = blk + 2336;
+            const int8_t *ab = a + 256 * b;
+            for (int j = 0; j < subs; ++j) {
+                int32_t dot[PANEL] = {0};
+                for (int e = width * j; e < width * (j + 1); ++e) {
+                    const uint8_t *pair = lo4 + 64 * (e / 8);
+                    const int i = e % 4, high = e % 8 >= 4;
+                    for (int c = 0; c < PANEL; ++c) {
+                        int v = high ? pair[4 * c + i] >> 4 : pair[4 * c + i] & 0xf;
+                        if (!q4) v |= ((top[64 * (e / 16) + 4 * c + i] >> (2 * (e % 16 / 4))) & 3) << 4;
+                        dot[c] += v * ab[e];
+                    }
+                }
+                for (int c = 0; c < PANEL; ++c) {
+                    int scale = q4 ? blk[64 + 16 * j + c]
+                                   : (int8_t)blk[32 + 32 * (j / 2) + 2 * c + j % 2];
+                    isum[c] += dot[c] * scale;
+                }
+            }
+            for (int j = 0; j < subs; ++j) /* mins (Q4_K) or 32 x scales (Q6_K) x sums */
+                for (int c = 0; c < PANEL; ++c)
+                    jsum[c] += q4 ? blk[192 + 32 * (j / 2) + 2 * c + j % 2] * s32[8 * b + j]
+                                  : (int8_t)blk[32 + 32 * (j / 2) + 2 * c + j % 2] * s16[16 * b + j];
+            for (int c = 0; c < PANEL; ++c) {
+                float sd = s[b] * half_to_float(read_u16(blk + 2 * c));
+                if (q4) {
+                    float sm = s[b] * half_to_float(read_u16(blk + 32 + 2 * c));
+                    f[c] = fmaf((float)isum[c], sd, f[c]);
+                    f[c] = fmaf(-(float)jsum[c], sm, f[c]);
+                } else {
+                    f[c] = fmaf((float)(isum[c] - 32 * jsum[c]), sd, f[c]);
+                }
+            }
         } else {
-            sc[j] = (s[j + 4] & 0xf) | ((s[j - 4] >> 6) << 4);
-            m[j] = (s[j + 4] >> 4) | ((s[j] >> 6) << 4);
-        }
-    }
-}
-
-static void unpack_q4_k(const uint8_t *blk, kblock *u) {
-    int sc[8], m[8];
-    u->d = half_to_float(read_u16(blk));
-    u->dmin = half_to_float(read_u16(blk + 2));
-    q4_k_scales(blk + 4, sc, m);
-    const uint8_t *qs = blk + 16;
-#if QG_AVX2
-    const __m256i low = _mm256_set1_epi8(0xf);
-    for (int c = 0; c < 4; ++c) {
-        __m256i v = _mm256_loadu_si256((const __m256i *)(qs + 32 * c));
-        _mm256_storeu_si256((__m256i *)(u->q + 64 * c), _mm256_and_si256(v, low));
-        _mm256_storeu_si256((__m256i *)(u->q + 64 * c + 32),
-                            _mm256_and_si256(_mm256_srli_epi16(v, 4), low));
-    }
-    for (int j = 0; j < 8; ++j)
-        _mm256_storeu_si256((__m256i *)u->sc[j], _mm256_set1_epi16((short)sc[j]));
-#else
-    for (int c = 0; c < 4; ++c)
-        for (int i = 0; i < 32; ++i) {
-            u->q[64 * c + i] = qs[32 * c + i] & 0xf;
-            u->q[64 * c + 32 + i] = qs[32 * c + i] >> 4;
-        }
-    for (int j = 0; j < 8; ++j)
-        for (int l = 0; l < 16; ++l) u->sc[j][l] = (int16_t)sc[j];
-#endif
-    for (int j = 0; j < 8; ++j) u->mn[2 * j] = u->mn[2 * j + 1] = (int16_t)m[j];
-}
-
-static void unpack_q6_k(const uint8_t *blk, kblock *u) {
-    const uint8_t *ql = blk, *qh = blk + 128;
-    const int8_t *scales = (const int8_t *)(blk + 192);
-    u->d = half_to_float(read_u16(blk + 208));
-    u->dmin = 0.0f;
-#if QG_AVX2
-    const __m256i low = _mm256_set1_epi8(0xf), two = _mm256_set1_epi8(3);
-    for (int h = 0; h < 2; ++h) {
-        __m256i l0 = _mm256_loadu_si256((const __m256i *)(ql + 64 * h));
-        __m256i l1 = _mm256_loadu_si256((const __m256i *)(ql + 64 * h + 32));
-        __m256i hb = _mm256_loadu_si256((const __m256i *)(qh + 32 * h));
-        __m256i lo[4] = {_mm256_and_si256(l0, low), _mm256_and_si256(l1, low),
-                         _mm256_and_si256(_mm256_srli_epi16(l0, 4), low),
-                         _mm256_and_si256(_mm256_srli_epi16(l1, 4), low)};
-        for (int c = 0; c < 4; ++c) {
-            __m256i hi = _mm256_and_si256(_mm256_srli_epi16(hb, 2 * c), two);
-            _mm256_storeu_si256((__m256i *)(u->q + 128 * h + 32 * c),
-                                _mm256_or_si256(lo[c], _mm256_slli_epi16(hi, 4)));
-        }
-    }
-    for (int t = 0; t < 8; ++t)
-        _mm256_storeu_si256((__m256i *)u->sc[t],
-                            _mm256_set_m128i(_mm_set1_epi16(scales[2 * t + 1]),
-                                             _mm_set1_epi16(scales[2 * t])));
-    __m256i s16 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)scales));
-    _mm256_storeu_si256((__m256i *)u->mn, _mm256_slli_epi16(s16, 5));
-#else
-    for (int h = 0; h < 2; ++h)
-        for (int f = 0; f < 128; ++f) {
-            uint8_t lo = ql[64 * h + (f & 63)];
-            lo = f < 64 ? (lo & 0xf) : (lo >> 4);
-            uint8_t hi = (qh[32 * h + (f & 31)] >> (2 * (f / 32))) & 3;
-            u->q[128 * h + f] = (uint8_t)(lo | (hi << 4));
-        }
-    for (int t = 0; t < 8; ++t)
-        for (int l = 0; l < 16; ++l) u->sc[t][l] = scales[2 * t + (l >= 8)];
-    for (int g = 0; g < 16; ++g) u->mn[g] = (int16_t)(32 * scales[g]);
-#endif
-}
-
-#if QG_AVX2
-/* acc += the block's float lanes for one row, from its integer sums */
-static inline void kblock_finish(const kblock *u, int with_min, __m256i isum, const int16_t *bs,
-                                 float s, float *acc) {
-    __m256i jsum = _mm256_madd_epi16(_mm256_loadu_si256((const __m256i *)bs),
-                                     _mm256_loadu_si256((const __m256i *)u->mn));
-    __m256 v = _mm256_loadu_ps(acc);
-    if (with_min) {
-        v = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), _mm256_set1_ps(s * u->d), v);
-        v = _mm256_fnmadd_ps(_mm256_cvtepi32_ps(jsum), _mm256_set1_ps(s * u->dmin), v);
-    } else {
-        v = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_sub_epi32(isum, jsum)),
-                            _mm256_set1_ps(s * u->d), v);
-    }
-    _mm256_storeu_ps(acc, v);
-}
-
-/* sum_t sc[t] . maddubs(q_t, a_t): exact (|pair| <= 2*63*127, lanes << 2^31) */
-#define KDOT(isum, a, t, w, sc) \
-    isum = _mm256_add_epi32(       \
-        isum, _mm256_madd_epi16(_mm256_maddubs_epi16(w, _mm256_loadu_si256((const __m256i *)((a) + 32 * (t)))), sc))
-#endif
-
-/* One block of column n for rows 0..rows-1 of a tile: acc[r] += the block's 8 lanes. */
-static void kblock_rows(const kblock *u, int with_min, const int8_t *aq, const float *as,
-                        const int16_t *ab, long K, long b, long rows, float (*acc)[8]) {
-    long nb = K / 256, r = 0;
-#if QG_AVX2
-    for (; r + 4 <= rows; r += 4) { /* 4 rows share each load of the weights */
-        const int8_t *a0 = aq + r * K + b * 256, *a1 = a0 + K, *a2 = a1 + K, *a3 = a2 + K;
-        __m256i i0 = _mm256_setzero_si256(), i1 = i0, i2 = i0, i3 = i0;
-        for (int t = 0; t < 8; ++t) {
-            __m256i w = _mm256_loadu_si256((const __m256i *)(u->q + 32 * t));
-            __m256i sc = _mm256_loadu_si256((const __m256i *)u->sc[t]);
-            KDOT(i0, a0, t, w, sc);
-            KDOT(i1, a1, t, w, sc);
-            KDOT(i2, a2, t, w, sc);
-            KDOT(i3, a3, t, w, sc);
-        }
-        __m256i sums[4] = {i0, i1, i2, i3};
-        for (int j = 0; j < 4; ++j)
-            kblock_finish(u, with_min, sums[j], ab + (r + j) * (K / 16) + b * 16,
-                          as[(r + j) * nb + b], acc[r + j]);
-    }
-#endif
-    for (; r < rows; ++r) {
-        const int8_t *a = aq + r * K + b * 256;
-        const int16_t *bs = ab + r * (K / 16) + b * 16;
-        float s = as[r * nb + b];
-#if QG_AVX2
-        __m256i isum = _mm256_setzero_si256();
-        for (int t = 0; t < 8; ++t) {
-            __m256i w = _mm256_loadu_si256((const __m256i *)(u->q + 32 * t));
-            KDOT(isum, a, t, w, _mm256_loadu_si256((const __m256i *)u->sc[t]));
-        }
-        kblock_finish(u, with_min, isum, bs, s, acc[r]);
-#else
-        float sd = s * u->d, sm = s * u->dmin;
-        for (int l = 0; l < 8; ++l) { /* lane l: values 4l..4l+3 of each 32-value chunk */
-            int32_t isum = 0, jsum = bs[2 * l] * u->mn[2 * l] + bs[2 * l + 1] * u->mn[2 * l + 1];
-            for (int t = 0; t < 8; ++t)
-                for (int e = 4 * l; e < 4 * l + 4; ++e)
-                    isum += u->q[32 * t + e] * a[32 * t + e] * u->sc[t][e / 2];
-            if (with_min) {
-                acc[r][l] = fmaf((float)isum, sd, acc[r][l]);
-                acc[r][l] = fmaf(-(float)jsum, sm, acc[r][l]);
-            } else {
-                acc[r][l] = fmaf((float)(isum - jsum), sd, acc[r][l]);
+            const int q8 = type == T_Q8_0;
+            const int8_t *ab = a + 32 * b;
+            for (int e = 0; e < 32; ++e)
+                for (int c = 0; c < PANEL; ++c) {
+                    int v;
+                    if (q8) {
+                        v = blk[32 + 64 * (e / 4) + 4 * c + e % 4];
+                    } else {
+                        const uint8_t *pair = blk + 32 + 64 * (e / 8);
+                        v = e % 8 >= 4 ? pair[4 * c + e % 4] >> 4 : pair[4 * c + e % 4] & 0xf;
+                        int bit = 4 * c + e % 4;
+                        v |= ((blk[288 + 8 * (e / 4) + bit / 8] >> (bit % 8)) & 1) << 4;
+                    }
+                    isum[c] += v * ab[e];
+                }
+            const int32_t offset = (q8 ? 128 : 16) * (int32_t)s32[b];
+            for (int c = 0; c < PANEL; ++c) {
+                float sd = s[b] * half_to_float(read_u16(blk + 2 * c));
+                f[c] = fmaf((float)(isum[c] - offset), sd, f[c]);
             }
         }
-#endif
     }
-}
-
-#define GROUP32 8 /* 32-value blocks decoded together: each row's lanes stay in registers */
-
-/* ---- 32-value blocks: Q8_0, Q5_0 -------------------------------------------------------
- * Decoded block: w[32] signed (Q8_0 as stored, Q5_0 q - 16), and d.
- * block = s * d * (w . a), exact int32 in 8 lanes. */
-static void unpack_q8_0(const uint8_t *blk, int8_t *w, float *d) {
-    *d = half_to_float(read_u16(blk));
-    memcpy(w, blk + 2, 32);
-}
-
-#if QG_AVX2
-/* A Q5_0 block's 32 values (q - 16, signed) in one register. */
-static inline __m256i decode_q5_0(const uint8_t *blk) {
-    uint32_t qh;
-    memcpy(&qh, blk + 2, 4);
-    __m128i v = _mm_loadu_si128((const __m128i *)(blk + 6)), low = _mm_set1_epi8(0xf);
-    __m256i q = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(v, 4), low), _mm_and_si128(v, low));
-    /* bit i of qh -> byte i: spread each byte of qh over 8 bytes, test one bit each */
-    __m256i spread = _mm256_shuffle_epi8(
-        _mm256_set1_epi32((int)qh),
-        _mm256_set_epi64x(0x0303030303030303, 0x0202020202020202, 0x0101010101010101, 0));
-    __m256i bit = _mm256_set1_epi64x((long long)0x8040201008040201ULL);
-    __m256i set = _mm256_cmpeq_epi8(_mm256_and_si256(spread, bit), bit);
-    q = _mm256_or_si256(q, _mm256_and_si256(set, _mm256_set1_epi8(0x10)));
-    return _mm256_sub_epi8(q, _mm256_set1_epi8(16));
-}
-#endif
-
-static void unpack_q5_0(const uint8_t *blk, int8_t *w, float *d) {
-    *d = half_to_float(read_u16(blk));
-#if QG_AVX2
-    _mm256_storeu_si256((__m256i *)w, decode_q5_0(blk));
-#else
-    uint32_t qh = (uint32_t)blk[2] | ((uint32_t)blk[3] << 8) | ((uint32_t)blk[4] << 16) |
-                  ((uint32_t)blk[5] << 24);
-    const uint8_t *qs = blk + 6;
-    for (int i = 0; i < 32; ++i) {
-        int lo = i < 16 ? (qs[i] & 0xf) : (qs[i - 16] >> 4);
-        w[i] = (int8_t)((lo | (((qh >> i) & 1) << 4)) - 16);
-    }
-#endif
-}
-
-static void block32_rows(const int8_t *w, const float *d, long g, const int8_t *aq,
-                         const float *as, long K, long b, long rows, float (*acc)[8]) {
-    long nb = K / 32;
-    for (long r = 0; r < rows; ++r) {
-        const int8_t *a = aq + r * K + b * 32;
-        const float *s = as + r * nb + b;
-#if QG_AVX2
-        __m256 v = _mm256_loadu_ps(acc[r]);
-        for (long j = 0; j < g; ++j) {
-            __m256i wv = _mm256_loadu_si256((const __m256i *)(w + 32 * j));
-            __m256i x = _mm256_sign_epi8(_mm256_loadu_si256((const __m256i *)(a + 32 * j)), wv);
-            /* |w| read unsigned (-128 -> 128); exact: |pair| <= 2*128*127 */
-            __m256i p = _mm256_maddubs_epi16(_mm256_abs_epi8(wv), x);
-            __m256i isum = _mm256_madd_epi16(p, _mm256_set1_epi16(1));
-            v = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), _mm256_set1_ps(s[j] * d[j]), v);
-        }
-        _mm256_storeu_ps(acc[r], v);
-#else
-        for (long j = 0; j < g; ++j)
-            for (int l = 0; l < 8; ++l) {
-                int32_t isum = 0;
-                for (int e = 4 * l; e < 4 * l + 4; ++e) isum += w[32 * j + e] * a[32 * j + e];
-                acc[r][l] = fmaf((float)isum, s[j] * d[j], acc[r][l]);
-            }
-#endif
-    }
-}
-
-/* ---- the call ------------------------------------------------------------------------- */
-
-/* The 8 lanes in one fixed tree: ((0+4)+(2+6)) + ((1+5)+(3+7)), as the AVX2 path adds them. */
-static float lanes_sum(const float v[8]) {
-    float s0 = v[0] + v[4], s1 = v[1] + v[5], s2 = v[2] + v[6], s3 = v[3] + v[7];
-    return (s0 + s2) + (s1 + s3);
-}
-
-static size_t round_up(size_t n, size_t to) { return (n + to - 1) / to * to; }
-
-static long block_size(int type) { return type == T_Q4_K || type == T_Q6_K ? 256 : 32; }
-
-static long block_bytes(int type) {
-    switch (type) {
-    case T_Q4_K: return 144;
-    case T_Q6_K: return 210;
-    case T_Q8_0: return 34;
-    case T_Q5_0: return 22;
-    default: return 0;
-    }
+    memcpy(out, f, sizeof(f));
 }
 
 #if QG_AVX512
 #include "qgemm_avx512.h"
 #endif
 
-/* Columns n0..n1-1 for rows m0..m0+rows-1 (rows <= TILE). */
-QG_UNUSED_IN_AVX512 static void columns(int type, const uint8_t *w, long row_bytes, const int8_t *aq,
-                    const float *as, const int16_t *ab, const float *bias, float *y, long ldy,
-                    long m0, long rows, long K, long n0, long n1) {
-    long bsize = block_size(type), nb = K / bsize;
-    long bbytes = block_bytes(type);
-    float acc[TILE][8];
-    const int8_t *a = aq + m0 * K;
-    const float *s = as + m0 * nb;
-    const int16_t *bs = ab + m0 * (K / 16);
-    for (long n = n0; n < n1; ++n) {
-        const uint8_t *row = w + n * row_bytes;
-        float out[TILE];
-        if (type == T_Q4_K || type == T_Q6_K) {
-            kblock ku;
-            memset(acc, 0, sizeof(float) * 8 * rows);
-            for (long b = 0; b < nb; ++b) {
-                if (type == T_Q4_K)
-                    unpack_q4_k(row + b * bbytes, &ku);
-                else
-                    unpack_q6_k(row + b * bbytes, &ku);
-                kblock_rows(&ku, type == T_Q4_K, a, s, bs, K, b, rows, acc);
-            }
-            for (long r = 0; r < rows; ++r) out[r] = lanes_sum(acc[r]);
-        } else {
-            int8_t bw[GROUP32 * 32];
-            float bd[GROUP32];
-            memset(acc, 0, sizeof(float) * 8 * rows);
-            for (long b = 0; b < nb; b += GROUP32) {
-                long g = nb - b < GROUP32 ? nb - b : GROUP32;
-                for (long j = 0; j < g; ++j) {
-                    if (type == T_Q8_0)
-                        unpack_q8_0(row + (b + j) * bbytes, bw + 32 * j, bd + j);
-                    else
-                        unpack_q5_0(row + (b + j) * bbytes, bw + 32 * j, bd + j);
-                }
-                block32_rows(bw, bd, g, a, s, K, b, rows, acc);
-            }
-            for (long r = 0; r < rows; ++r) out[r] = lanes_sum(acc[r]);
-        }
-        for (long r = 0; r < rows; ++r) y[(m0 + r) * ldy + n] = bias ? out[r] + bias[n] : out[r];
-    }
-}
+/* ---- the call ------------------------------------------------------------------------- */
 
-/* x [M, K] float32; w: N rows of row_bytes bytes, each K / block_size GGUF blocks of `type`;
+static size_t round_up(size_t n, size_t to) { return (n + to - 1) / to * to; }
+
+/* x [M, K] float32; packed: W [N, K] of `type` in the panel layout (understudy_qpack);
  * bias [N] or NULL; y [M, ldy] float32, columns 0..N-1 written. Returns 0, or -1 for a
- * type or shape it does not take (K not a multiple of the block size, row_bytes too small),
- * or -2 when out of memory. Threads: OpenMP, contiguous column ranges. */
-int understudy_qgemm(int type, const float *x, const uint8_t *w, long row_bytes,
-                     const float *bias, float *y, long ldy, long M, long K, long N,
-                     int threads) {
-    long bsize = block_size(type), bbytes = block_bytes(type);
-    if (bbytes == 0 || K % bsize != 0 || row_bytes < (K / bsize) * bbytes || ldy < N)
-        return -1;
+ * type or shape it does not take, or -2 when out of memory. Threads: OpenMP, panels. */
+int understudy_qgemm(int type, const float *x, const uint8_t *packed, const float *bias,
+                     float *y, long ldy, long M, long K, long N, int threads) {
+    long bsize = block_size(type), pb = panel_bytes(type);
+    if (pb == 0 || K <= 0 || K % bsize != 0 || ldy < N) return -1;
     if (M <= 0 || N <= 0) return 0;
     if (threads < 1 || (double)M * K * N < SERIAL_BELOW) threads = 1;
-    long nb = K / bsize;
+    long nb = K / bsize, panels = (N + PANEL - 1) / PANEL;
     /* 64-byte aligned: a row's 512-bit loads never straddle two cache lines */
-    int8_t *aq = aligned_alloc(64, round_up((size_t)(M * K), 64));
-    float *as = aligned_alloc(64, round_up(sizeof(float) * (size_t)(M * nb), 64));
-    int16_t *ab = aligned_alloc(64, round_up(sizeof(int16_t) * (size_t)(M * (K / 16)), 64));
-    uint8_t *recs = NULL; /* AVX-512: the activations regrouped (pack_group512, pack_group32) */
-    int need_recs = 0;
-#if QG_AVX512
-    long groups = (M + GROUP_ROWS - 1) / GROUP_ROWS;
-    long rec = bsize == 256 ? krec(GROUP_ROWS) : rec32(GROUP_ROWS);
-    need_recs = 1;
-    recs = aligned_alloc(64, (size_t)(groups * nb * rec));
-#endif
-    if (!aq || !as || !ab || (need_recs && !recs)) {
-        free(aq);
-        free(as);
-        free(ab);
-        free(recs);
+    int8_t *q = aligned_alloc(64, round_up((size_t)(M * K), 64));
+    float *s = aligned_alloc(64, round_up(sizeof(float) * (size_t)(M * nb), 64));
+    int16_t *s16 = aligned_alloc(64, round_up(sizeof(int16_t) * (size_t)(M * (K / 16)), 64));
+    int16_t *s32 = aligned_alloc(64, round_up(sizeof(int16_t) * (size_t)(M * (K / 32)), 64));
+    if (!q || !s || !s16 || !s32) {
+        free(q);
+        free(s);
+        free(s16);
+        free(s32);
         return -2;
     }
+    acts_t A = {q, s, s16, s32, K, nb};
 #pragma omp parallel num_threads(threads) if (threads > 1)
     {
 #pragma omp for schedule(static)
-        for (long m = 0; m < M; ++m)
+        for (long m = 0; m < M; ++m) {
 #if QG_AVX512
-            quantize_row512(x + m * K, K, (int)bsize, aq + m * K, as + m * nb, ab + m * (K / 16));
+            quantize_row512(x + m * K, K, (int)bsize, q + m * K, s + m * nb, s16 + m * (K / 16));
 #else
-            quantize_row(x + m * K, K, (int)bsize, aq + m * K, as + m * nb, ab + m * (K / 16));
+            quantize_row(x + m * K, K, (int)bsize, q + m * K, s + m * nb, s16 + m * (K / 16));
 #endif
-        int t = 0, nt = 1;
-#ifdef _OPENMP
-        t = omp_get_thread_num();
-        nt = omp_get_num_threads();
-#endif
-        long n0 = N * t / nt, n1 = N * (t + 1) / nt;
-#if QG_AVX512
+            for (long g = 0; g < K / 32; ++g)
+                s32[m * (K / 32) + g] = (int16_t)(s16[m * (K / 16) + 2 * g] + s16[m * (K / 16) + 2 * g + 1]);
+        }
+        for (long m0 = 0; m0 < M; m0 += ROW_TILE) {
+            long rows = M - m0 < ROW_TILE ? M - m0 : ROW_TILE;
 #pragma omp for schedule(static)
-        for (long g = 0; g < groups; ++g) {
-            long R = M - g * GROUP_ROWS < GROUP_ROWS ? M - g * GROUP_ROWS : GROUP_ROWS;
-            if (bsize == 256)
-                pack_group512(type == T_Q4_K, aq + g * GROUP_ROWS * K, as + g * GROUP_ROWS * nb,
-                              ab + g * GROUP_ROWS * (K / 16), K, R, recs + g * nb * rec);
-            else
-                pack_group32(aq + g * GROUP_ROWS * K, as + g * GROUP_ROWS * nb, K, R,
-                             recs + g * nb * rec);
-        }
-        columns512(type, w, row_bytes, aq, as, recs, bias, y, ldy, M, K, n0, n1);
+            for (long p = 0; p < panels; ++p) {
+                const uint8_t *pk = packed + p * nb * pb;
+                long cols = N - p * PANEL < PANEL ? N - p * PANEL : PANEL;
+#if QG_AVX512
+                panel_rows512(type, pk, &A, m0, rows, bias ? bias + p * PANEL : NULL,
+                              y + m0 * ldy + p * PANEL, ldy, cols);
 #else
-        for (long m0 = 0; m0 < M; m0 += TILE) {
-            long rows = M - m0 < TILE ? M - m0 : TILE;
-            columns(type, w, row_bytes, aq, as, ab, bias, y, ldy, m0, rows, K, n0, n1);
-        }
+                for (long m = m0; m < m0 + rows; ++m) {
+                    float out[PANEL];
+                    panel_row(type, pk, &A, m, out);
+                    for (long c = 0; c < cols; ++c)
+                        y[m * ldy + p * PANEL + c] = bias ? out[c] + bias[p * PANEL + c] : out[c];
+                }
 #endif
+            }
+        }
     }
-    free(aq);
-    free(as);
-    free(ab);
-    free(recs);
+    free(q);
+    free(s);
+    free(s16);
+    free(s32);
     return 0;
 }
 
-/* Rows `index` [R] of W, dequantized to float32 out [R, K] (embedding lookups, exports). */
+/* Rows `index` [R] of W (its GGUF layout), dequantized to float32 out [R, K] (embedding
+ * lookups, exports): gguf's own formulas. */
 int understudy_qdequant_rows(int type, const uint8_t *w, long row_bytes, const long *index,
                              long R, long K, float *out) {
     long bsize = block_size(type), bbytes = block_bytes(type);
     if (bbytes == 0 || K % bsize != 0) return -1;
-    kblock ku;
-    int8_t bw[32];
-    float bd;
     for (long r = 0; r < R; ++r) {
         const uint8_t *row = w + index[r] * row_bytes;
         float *o = out + r * K;
         for (long b = 0; b < K / bsize; ++b) {
             const uint8_t *blk = row + b * bbytes;
             float *ob = o + b * bsize;
+            uint8_t q[256];
+            uint16_t d, dmin;
             if (type == T_Q4_K) {
-                unpack_q4_k(blk, &ku);
+                int sc[8], mn[8];
+                unpack_q4_k(blk, q, sc, mn, &d, &dmin);
+                float fd = half_to_float(d), fm = half_to_float(dmin);
                 for (int e = 0; e < 256; ++e)
-                    ob[e] = ku.d * (float)ku.sc[e / 32][0] * (float)ku.q[e] -
-                            ku.dmin * (float)ku.mn[e / 16];
+                    ob[e] = fd * (float)sc[e / 32] * (float)q[e] - fm * (float)mn[e / 32];
             } else if (type == T_Q6_K) {
-                unpack_q6_k(blk, &ku);
-                for (int e = 0; e < 256; ++e)
-                    ob[e] = ku.d * (float)(ku.mn[e / 16] / 32) * (float)(ku.q[e] - 32);
+                int8_t sc[16];
+                unpack_q6_k(blk, q, sc, &d);
+                float fd = half_to_float(d);
+                for (int e = 0; e < 256; ++e) ob[e] = fd * (float)sc[e / 16] * (float)(q[e] - 32);
             } else {
-                if (type == T_Q8_0)
-                    unpack_q8_0(blk, bw, &bd);
-                else
-                    unpack_q5_0(blk, bw, &bd);
-                for (int e = 0; e < 32; ++e) ob[e] = bd * (float)bw[e];
+                int8_t w8[32];
+                unpack_32(type, blk, w8, &d);
+                float fd = half_to_float(d);
+                for (int e = 0; e < 32; ++e) ob[e] = fd * (float)w8[e];
             }
         }
     }
     return 0;
 }
 
-/* 0: portable C, 1: AVX2, 2: AVX-512 */
-int understudy_qgemm_simd(void) { return QG_AVX512 ? 2 : QG_AVX2; }
+/* 0: portable C, 2: AVX-512 with VNNI */
+int understudy_qgemm_simd(void) { return QG_AVX512 ? 2 : 0; }

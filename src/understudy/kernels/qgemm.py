@@ -10,8 +10,8 @@ decoding's 1-row passes, with no padding (as kernels/rowgemm.py does for float32
 
 Kernel types: Q4_K, Q6_K (256 values a block), Q8_0 and Q5_0 (32). A tensor of another type
 is dequantized to float32 once, at load, and runs through rowgemm (also row-invariant).
-The weights stay in their GGUF layout (rows of blocks, contiguous, as the kernel streams
-them): no repacking, so they can stay in the file's memory map.
+Each kernel tensor is repacked once, at load, into the kernel's panels of 16 columns (`pack`,
+about the file's bytes); the GGUF rows stay mapped for `weight_rows`, their pages released.
 
 The C source is compiled once per machine (kernels/build.py); `load()` is None where that
 fails, and the engine then runs the model dense.
@@ -52,9 +52,13 @@ def bind(path: Path) -> ctypes.CDLL | None:
     except OSError:
         return None
     ptr, long = ctypes.c_void_p, ctypes.c_long
-    lib.understudy_qgemm.argtypes = [ctypes.c_int, ptr, ptr, long, ptr, ptr] + [long] * 4
+    lib.understudy_qgemm.argtypes = [ctypes.c_int, ptr, ptr, ptr, ptr] + [long] * 4
     lib.understudy_qgemm.argtypes += [ctypes.c_int]
     lib.understudy_qgemm.restype = ctypes.c_int
+    lib.understudy_qpack_bytes.argtypes = [ctypes.c_int, long, long]
+    lib.understudy_qpack_bytes.restype = long
+    lib.understudy_qpack.argtypes = [ctypes.c_int, ptr, long, long, long, ptr, ctypes.c_int]
+    lib.understudy_qpack.restype = ctypes.c_int
     lib.understudy_qdequant_rows.argtypes = [ctypes.c_int, ptr, long, ptr, long, long, ptr]
     lib.understudy_qdequant_rows.restype = ctypes.c_int
     return lib
@@ -99,6 +103,52 @@ class GGUFTensor:
         return GGUFTensor(self.kind, np.ascontiguousarray(self.data[index]), len(index), self.cols)
 
 
+def pack(lib: ctypes.CDLL, part: GGUFTensor) -> np.ndarray:
+    """`part`'s blocks in the kernel's panel layout (qgemm.c, understudy_qpack): 16 columns'
+    blocks side by side, the same bytes rearranged; a fresh 64-byte-aligned array."""
+    size = lib.understudy_qpack_bytes(int(part.kind), part.cols, part.rows)
+    assert size > 0, f"qgemm refused a {part.kind.name} tensor of {part.cols} columns"
+    buffer = np.empty(size + 64, dtype=np.uint8)
+    offset = -buffer.ctypes.data % 64
+    packed = buffer[offset : offset + size]
+    code = lib.understudy_qpack(
+        int(part.kind), part.data.ctypes.data, part.data.shape[1], part.cols, part.rows,
+        packed.ctypes.data, torch.get_num_threads(),
+    )  # fmt: skip
+    assert code == 0, f"qgemm refused a {part.kind.name} tensor ({code}): rows cut short?"
+    release_pages(part.data)
+    return packed
+
+
+MADV_DONTNEED = 4  # Linux's madvise advice: drop these pages; a later read faults them in
+
+
+@cache
+def _libc() -> ctypes.CDLL | None:
+    try:
+        return ctypes.CDLL(None, use_errno=True)
+    except OSError:
+        return None
+
+
+def release_pages(data: np.ndarray) -> None:
+    """Drop the whole pages under a read-only memory-mapped `data` from this process's
+    resident memory, after packing: the panels are what the kernel reads, and the file's
+    bytes stay readable (weight_rows), faulted in again from the page cache if touched.
+    Only for memory maps (a Linux madvise): arrays of the process's own memory are kept."""
+    array: object = data
+    while isinstance(array, np.ndarray) and not isinstance(array, np.memmap):
+        array = array.base  # a view's owner, up to the memory map (or None)
+    libc = _libc()
+    if not isinstance(array, np.memmap) or libc is None or data.flags.writeable:
+        return
+    page = os.sysconf("SC_PAGE_SIZE")
+    start = -(-data.ctypes.data // page) * page  # the first whole page inside
+    end = (data.ctypes.data + data.nbytes) // page * page
+    if end > start:
+        libc.madvise(ctypes.c_void_p(start), ctypes.c_size_t(end - start), MADV_DONTNEED)
+
+
 class QuantLinear(nn.Module):
     """y = x W^T + b, float32 on a CPU, W the concatenation (along out) of GGUF tensors in
     their own blocks: row-invariant (module docstring). Parts of types outside KERNEL_TYPES
@@ -123,17 +173,20 @@ class QuantLinear(nn.Module):
                 linear = nn.Linear(part.cols, part.rows, bias=False)
                 linear.weight.data = part.dequantized()
                 self.dense[str(i)] = rowgemm.RowInvariantLinear(linear)
-        # the kernel's arguments of each block part, worked out once (a decode pass makes
+        # each block part repacked into the kernel's panels (the GGUF rows stay for
+        # weight_rows), and the kernel's arguments worked out once (a decode pass makes
         # ~200 of these calls: per-call Python work is a visible share of it)
-        self.kernel_calls: list[
-            tuple[int, int, int, int, int, int]
-        ] = []  # kind, w, bytes, b, at, n
+        self.packed: list[np.ndarray] = []
+        self.kernel_calls: list[tuple[int, int, int, int, int]] = []  # kind, w, b, at, n
         start = 0
         for i, part in enumerate(parts):
             if str(i) not in self.dense:
+                packed = pack(lib, part)
+                self.packed.append(packed)
                 bias = 0 if self.bias is None else self.bias.data_ptr() + 4 * start
-                self.kernel_calls.append((int(part.kind), part.data.ctypes.data, part.data.shape[1],
-                                    bias, 4 * start, part.rows))  # fmt: skip
+                self.kernel_calls.append(
+                    (int(part.kind), packed.ctypes.data, bias, 4 * start, part.rows)
+                )
             start += part.rows
 
     def _part_rows(self, i: int, part: GGUFTensor, index: torch.Tensor) -> torch.Tensor:
@@ -172,9 +225,9 @@ class QuantLinear(nn.Module):
         rows = x2.shape[0]
         y = torch.empty(rows, self.out_features, dtype=torch.float32)  # [M, out]
         threads, x_at, y_at = torch.get_num_threads(), x2.data_ptr(), y.data_ptr()
-        for kind, weight, row_bytes, bias, at, part_rows in self.kernel_calls:
-            code = self._fn(kind, x_at, weight, row_bytes, bias, y_at + at, self.out_features,
-                            rows, self.in_features, part_rows, threads)  # fmt: skip
+        for kind, weight, bias, at, part_rows in self.kernel_calls:
+            code = self._fn(kind, x_at, weight, bias, y_at + at, self.out_features, rows,
+                            self.in_features, part_rows, threads)  # fmt: skip
             assert code == 0, f"qgemm refused a {GGMLQuantizationType(kind).name} part ({code})"
         if len(self.dense):
             start = 0

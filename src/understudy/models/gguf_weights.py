@@ -1,7 +1,8 @@
 """Build understudy's Transformer straight from a GGUF file's own quantized blocks.
 
-The linears become kernels/qgemm.py QuantLinears over the file's memory map (nothing is
-dequantized or copied: resident memory is about the file's size plus caches), the token
+The linears become kernels/qgemm.py QuantLinears, their blocks repacked once into the
+kernel's panels (nothing is dequantized: resident memory is about the file's size plus
+caches, the file's pages under packed tensors released), the token
 embedding a lookup that dequantizes only the looked-up rows, and the F32 norms and biases
 are used as they are. Fused matmuls (q/k/v, gate/up) concatenate their GGUF tensors as parts
 of one QuantLinear, whatever each part's block type.
