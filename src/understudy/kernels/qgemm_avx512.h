@@ -16,7 +16,8 @@
 
 #define AI static inline __attribute__((always_inline))
 
-#define GROUP 4 /* rows that share a decoded panel-block, accumulators in registers */
+#define GROUP 4 /* rows that share a decoded panel-block, accumulators in registers (6 or
+                   * 8 measured slower: they spill) */
 
 /* quantize_row, 16 values a step: the same float operations on each value (|x|, the block's
  * max, x * inv rounded in the current mode, clamped to +-127, truncated to int8), so the same
@@ -45,16 +46,13 @@ static void quantize_row512(const float *x, long K, int block, int8_t *q, float 
     }
 }
 
-#ifndef AHEAD
-#define AHEAD 0 /* bytes past the panel-block in hand where fetch_block starts */
-#endif
 
 /* Ask for every cache line of the panel-block about to be read, before any of its loads:
  * its three or four streams' misses then overlap, where the loads alone, in program
  * order, left one thread at half the memory's bandwidth (fetching further ahead measured
  * slower) */
 AI void fetch_block(const uint8_t *blk, const long bytes) {
-    for (long o = 0; o < bytes; o += 64) _mm_prefetch((const char *)(blk + AHEAD + o), _MM_HINT_T0);
+    for (long o = 0; o < bytes; o += 64) _mm_prefetch((const char *)(blk + o), _MM_HINT_T0);
 }
 
 /* 4 int8 activations at p, in every dword (vpdpbusd's broadcast operand) */
@@ -64,18 +62,12 @@ AI __m512i four(const int8_t *p) {
     return _mm512_set1_epi32(v);
 }
 
-#ifndef CHAINS
-#define CHAINS 4
-#endif
-/* sum_e w[e] . a[4e..4e+3] (16 dwords, exact): n vpdpbusd in CHAINS independent chains
- * added at the end, so that the next ones need not wait for each one's result */
-AI __m512i dot_chains(const __m512i *w, const int8_t *a, const int n) {
-    __m512i acc[CHAINS];
-    for (int c = 0; c < CHAINS; ++c) acc[c] = _mm512_setzero_si512();
-    for (int e = 0; e < n; ++e) acc[e % CHAINS] = _mm512_dpbusd_epi32(acc[e % CHAINS], w[e], four(a + 4 * e));
-    for (int width = CHAINS / 2; width > 0; width /= 2)
-        for (int c = 0; c < width; ++c) acc[c] = _mm512_add_epi32(acc[c], acc[c + width]);
-    return acc[0];
+/* sum_e w[e] . a[4e..4e+3]: 16 dwords, exact (one chain: with GROUP rows in flight, more
+ * chains a row measured no faster and need registers the rows use) */
+AI __m512i dot(const __m512i *w, const int8_t *a, const int n) {
+    __m512i acc = _mm512_dpbusd_epi32(_mm512_setzero_si512(), w[0], four(a));
+    for (int e = 1; e < n; ++e) acc = _mm512_dpbusd_epi32(acc, w[e], four(a + 4 * e));
+    return acc;
 }
 
 /* Q4_K: rows' accumulators f[r] += the panel-block's float step, for each block */
@@ -97,8 +89,7 @@ AI void q4_k_rows(const uint8_t *pk, long nb, const acts_t *A, long m0, const in
             __m512i sc = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(blk + 64 + 16 * j)));
             for (int r = 0; r < R; ++r) {
                 const int8_t *a = A->q + (m0 + r) * A->K + 256 * b + 32 * j;
-                __m512i dot = dot_chains(w, a, 8);
-                isum[r] = _mm512_add_epi32(isum[r], _mm512_mullo_epi32(dot, sc));
+                isum[r] = _mm512_add_epi32(isum[r], _mm512_mullo_epi32(dot(w, a, 8), sc));
             }
         }
         const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)blk));
@@ -152,8 +143,7 @@ AI void q6_k_rows(const uint8_t *pk, long nb, const acts_t *A, long m0, const in
                                 select_low(_mm512_srli_epi16(v1, 4), _mm512_srli_epi16(h_hi, 2))};
                 for (int r = 0; r < R; ++r) {
                     const int8_t *a = A->q + (m0 + r) * A->K + 256 * b + 16 * j;
-                    __m512i dot = dot_chains(w, a, 4);
-                    isum[r] = _mm512_add_epi32(isum[r], _mm512_mullo_epi32(dot, sc));
+                    isum[r] = _mm512_add_epi32(isum[r], _mm512_mullo_epi32(dot(w, a, 4), sc));
                 }
             }
             for (int r = 0; r < R; ++r) {
@@ -197,9 +187,9 @@ AI void b32_rows(const int q8, const uint8_t *pk, long nb, const acts_t *A, long
         const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)blk));
         for (int r = 0; r < R; ++r) {
             const int8_t *a = A->q + (m0 + r) * A->K + 32 * b;
-            __m512i dot = dot_chains(w, a, 8);
+            __m512i sum = dot(w, a, 8);
             const int32_t offset = (q8 ? 128 : 16) * (int32_t)A->s32[(m0 + r) * (A->K / 32) + b];
-            __m512i t = _mm512_sub_epi32(dot, _mm512_set1_epi32(offset));
+            __m512i t = _mm512_sub_epi32(sum, _mm512_set1_epi32(offset));
             __m512 s = _mm512_set1_ps(A->s[(m0 + r) * nb + b]);
             f[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(t), _mm512_mul_ps(s, d), f[r]);
         }
