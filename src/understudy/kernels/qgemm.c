@@ -21,7 +21,8 @@
  * Integer sums are exact whatever their grouping. So y[m, n] is bitwise the same whether
  * row m is computed alone or among M-1 others, whatever they hold, however the panels are
  * split across threads. The portable C path computes the same integers and the same float
- * steps as the AVX-512 one (fmaf rounds once, as the vector FMA does): the same bits.
+ * steps as the AVX2 and AVX-512 ones (fmaf rounds once, as the vector FMA does): the same
+ * bits on every instruction set.
  */
 #include <math.h>
 #include <stdint.h>
@@ -34,10 +35,20 @@
     defined(__AVX512VNNI__) && defined(__F16C__)
 #include <immintrin.h>
 #define QG_AVX512 1
+#define QG_AVX2 0
 #define QG_UNUSED_IN_AVX512 __attribute__((unused)) /* the AVX-512 path replaces it */
+#define QG_UNUSED_IN_SIMD QG_UNUSED_IN_AVX512
+#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#include <immintrin.h>
+#define QG_AVX512 0
+#define QG_AVX2 1
+#define QG_UNUSED_IN_AVX512
+#define QG_UNUSED_IN_SIMD __attribute__((unused)) /* the AVX2 path replaces it */
 #else
 #define QG_AVX512 0
+#define QG_AVX2 0
 #define QG_UNUSED_IN_AVX512
+#define QG_UNUSED_IN_SIMD
 #endif
 
 /* ggml's type ids */
@@ -288,7 +299,7 @@ typedef struct {
 
 /* ---- the portable path -------------------------------------------------------------------
  * One panel for one row: out[c] = the float accumulator of column c after every block. */
-QG_UNUSED_IN_AVX512 static void panel_row(int type, const uint8_t *pk, const acts_t *A, long m, float out[PANEL]) {
+QG_UNUSED_IN_SIMD static void panel_row(int type, const uint8_t *pk, const acts_t *A, long m, float out[PANEL]) {
     const long K = A->K, nb = A->nb, pb = panel_bytes(type);
     const int8_t *a = A->q + m * K;
     const float *s = A->s + m * nb;
@@ -360,6 +371,8 @@ QG_UNUSED_IN_AVX512 static void panel_row(int type, const uint8_t *pk, const act
 
 #if QG_AVX512
 #include "qgemm_avx512.h"
+#elif QG_AVX2
+#include "qgemm_avx2.h"
 #endif
 
 /* ---- the call ------------------------------------------------------------------------- */
@@ -410,6 +423,9 @@ int understudy_qgemm(int type, const float *x, const uint8_t *packed, const floa
 #if QG_AVX512
                 panel_rows512(type, pk, &A, m0, rows, bias ? bias + p * PANEL : NULL,
                               y + m0 * ldy + p * PANEL, ldy, cols);
+#elif QG_AVX2
+                panel_rows_avx2(type, pk, &A, m0, rows, bias ? bias + p * PANEL : NULL,
+                                y + m0 * ldy + p * PANEL, ldy, cols);
 #else
                 for (long m = m0; m < m0 + rows; ++m) {
                     float out[PANEL];
@@ -464,5 +480,5 @@ int understudy_qdequant_rows(int type, const uint8_t *w, long row_bytes, const l
     return 0;
 }
 
-/* 0: portable C, 2: AVX-512 with VNNI */
-int understudy_qgemm_simd(void) { return QG_AVX512 ? 2 : 0; }
+/* 0: portable C, 1: AVX2, 2: AVX-512 with VNNI */
+int understudy_qgemm_simd(void) { return QG_AVX512 ? 2 : QG_AVX2; }

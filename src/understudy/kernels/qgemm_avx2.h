@@ -1,0 +1,211 @@
+/* qgemm.c's AVX2 path (AVX2 + FMA + F16C, for CPUs without AVX-512 VNNI), included by qgemm.c.
+ *
+ * The same integers and the same float steps as the portable path (panel_row) and the AVX-512
+ * one, so the same bits. A panel's 16 columns go as two halves of 8 (bytes 32h..32h+31 of
+ * each 64-byte group are columns 8h..8h+7), one 256-bit register a half. Without VNNI a
+ * 4-product sum is vpmaddubsw then vpmaddwd by ones: exact, since no pair leaves int16
+ * (Q4_K 2 * 15 * 127, Q6_K 2 * 63 * 127, Q5_0 2 * 31 * 127; Q8_0's stored w + 128 would not
+ * fit, so its w is recovered and multiplied as |w| against a with w's sign, 2 * 128 * 127,
+ * which is the same integer as the portable path's sum of (w + 128) a less 128 sum a).
+ */
+#include <immintrin.h>
+
+#define AI2 static inline __attribute__((always_inline))
+#define GROUP2 4 /* rows that share a decoded half panel-block */
+
+/* 4 int8 activations at p, in every dword */
+AI2 __m256i four2(const void *p) {
+    int32_t v;
+    memcpy(&v, p, 4);
+    return _mm256_set1_epi32(v);
+}
+
+/* every cache line of a panel-block, asked for before its loads (qgemm_avx512.h's
+ * fetch_block); once, by the first half */
+AI2 void fetch_block2(const uint8_t *blk, const long bytes, int h) {
+    for (long o = 0; h == 0 && o < bytes; o += 64) _mm_prefetch((const char *)(blk + o), _MM_HINT_T0);
+}
+
+/* 8 dwords: each the sum of 4 products of unsigned w bytes and signed a bytes, exact */
+AI2 __m256i dot4_avx2(__m256i w, __m256i a) {
+    return _mm256_madd_epi16(_mm256_maddubs_epi16(w, a), _mm256_set1_epi16(1));
+}
+
+AI2 __m256i dot2(const __m256i *w, const int8_t *a, const int n) {
+    __m256i acc = dot4_avx2(w[0], four2(a));
+    for (int e = 1; e < n; ++e) acc = _mm256_add_epi32(acc, dot4_avx2(w[e], four2(a + 4 * e)));
+    return acc;
+}
+
+/* the 8 float16 at p as float */
+AI2 __m256 halfs8(const uint8_t *p) {
+    return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p));
+}
+
+/* Q4_K, half h of a panel: f[r] (columns 8h..8h+7) += each block's float step */
+AI2 void q4_k_half(const uint8_t *pk, long nb, const acts_t *A, long m0, const int R, int h,
+                   __m256 *f) {
+    const __m256i low = _mm256_set1_epi8(0xf);
+    for (long b = 0; b < nb; ++b) {
+        const uint8_t *blk = pk + b * 2368;
+        fetch_block2(blk, 2368, h);
+        __m256i isum[GROUP2], jsum[GROUP2];
+        for (int r = 0; r < R; ++r) isum[r] = jsum[r] = _mm256_setzero_si256();
+        for (int j = 0; j < 8; ++j) {
+            __m256i w[8];
+            for (int l = 0; l < 4; ++l) {
+                __m256i v = _mm256_loadu_si256((const __m256i *)(blk + 320 + 64 * (4 * j + l) + 32 * h));
+                w[2 * l] = _mm256_and_si256(v, low);
+                w[2 * l + 1] = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
+            }
+            __m256i sc = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(blk + 64 + 16 * j + 8 * h)));
+            for (int r = 0; r < R; ++r) {
+                const int8_t *a = A->q + (m0 + r) * A->K + 256 * b + 32 * j;
+                isum[r] = _mm256_add_epi32(isum[r], _mm256_mullo_epi32(dot2(w, a, 8), sc));
+            }
+        }
+        const __m256 d = halfs8(blk + 16 * h), dmin = halfs8(blk + 32 + 16 * h);
+        for (int p = 0; p < 4; ++p) {
+            __m256i mn = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)(blk + 192 + 32 * p + 16 * h)));
+            for (int r = 0; r < R; ++r) {
+                const int16_t *s32 = A->s32 + (m0 + r) * (A->K / 32) + 8 * b + 2 * p;
+                jsum[r] = _mm256_add_epi32(jsum[r], _mm256_madd_epi16(mn, four2(s32)));
+            }
+        }
+        for (int r = 0; r < R; ++r) {
+            __m256 s = _mm256_set1_ps(A->s[(m0 + r) * nb + b]);
+            f[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[r]), _mm256_mul_ps(s, d), f[r]);
+            f[r] = _mm256_fnmadd_ps(_mm256_cvtepi32_ps(jsum[r]), _mm256_mul_ps(s, dmin), f[r]);
+        }
+    }
+}
+
+/* Q6_K, half h: as q4_k_half, 16 sub-blocks of 16 values, signed scales, values q - 32 */
+AI2 void q6_k_half(const uint8_t *pk, long nb, const acts_t *A, long m0, const int R, int h,
+                   __m256 *f) {
+    const __m256i low = _mm256_set1_epi8(0xf), top = _mm256_set1_epi8(0x30);
+    for (long b = 0; b < nb; ++b) {
+        const uint8_t *blk = pk + b * 3360;
+        fetch_block2(blk, 3360, h);
+        __m256i isum[GROUP2], jsum[GROUP2];
+        for (int r = 0; r < R; ++r) isum[r] = jsum[r] = _mm256_setzero_si256();
+        for (int p = 0; p < 8; ++p) {
+            /* dword c: the scales of sub-blocks 2p (low word) and 2p + 1 (high word) */
+            __m256i pair = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(blk + 32 + 32 * p + 16 * h)));
+            for (int k = 0; k < 2; ++k) {
+                const int j = 2 * p + k;
+                __m256i sc = k ? _mm256_srai_epi32(pair, 16)
+                               : _mm256_srai_epi32(_mm256_slli_epi32(pair, 16), 16);
+                __m256i v0 = _mm256_loadu_si256((const __m256i *)(blk + 288 + 128 * j + 32 * h));
+                __m256i v1 = _mm256_loadu_si256((const __m256i *)(blk + 288 + 128 * j + 64 + 32 * h));
+                __m256i hb = _mm256_loadu_si256((const __m256i *)(blk + 2336 + 64 * j + 32 * h));
+                __m256i w[4] = {
+                    _mm256_or_si256(_mm256_and_si256(v0, low), _mm256_and_si256(_mm256_slli_epi16(hb, 4), top)),
+                    _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(v0, 4), low),
+                                    _mm256_and_si256(_mm256_slli_epi16(hb, 2), top)),
+                    _mm256_or_si256(_mm256_and_si256(v1, low), _mm256_and_si256(hb, top)),
+                    _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(v1, 4), low),
+                                    _mm256_and_si256(_mm256_srli_epi16(hb, 2), top))};
+                for (int r = 0; r < R; ++r) {
+                    const int8_t *a = A->q + (m0 + r) * A->K + 256 * b + 16 * j;
+                    isum[r] = _mm256_add_epi32(isum[r], _mm256_mullo_epi32(dot2(w, a, 4), sc));
+                }
+            }
+            for (int r = 0; r < R; ++r) {
+                const int16_t *s16 = A->s16 + (m0 + r) * (A->K / 16) + 16 * b + 2 * p;
+                jsum[r] = _mm256_add_epi32(jsum[r], _mm256_madd_epi16(pair, four2(s16)));
+            }
+        }
+        const __m256 d = halfs8(blk + 16 * h);
+        for (int r = 0; r < R; ++r) {
+            __m256 s = _mm256_set1_ps(A->s[(m0 + r) * nb + b]);
+            __m256i t = _mm256_sub_epi32(isum[r], _mm256_slli_epi32(jsum[r], 5));
+            f[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(t), _mm256_mul_ps(s, d), f[r]);
+        }
+    }
+}
+
+/* 32 bits -> 32 bytes, byte i 0x10 where bit i is set */
+AI2 __m256i fifth_bits(uint32_t bits) {
+    __m256i spread = _mm256_shuffle_epi8(
+        _mm256_set1_epi32((int)bits),
+        _mm256_set_epi64x(0x0303030303030303, 0x0202020202020202, 0x0101010101010101, 0));
+    __m256i bit = _mm256_set1_epi64x((long long)0x8040201008040201ULL);
+    return _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(spread, bit), bit),
+                            _mm256_set1_epi8(0x10));
+}
+
+/* Q8_0 and Q5_0, half h: 32-value blocks. Q8_0: sum of w a directly (|w| and a's sign: see
+ * the header); Q5_0: sum of q a less 16 sum a, q 0..31 */
+AI2 void b32_half(const int q8, const uint8_t *pk, long nb, const acts_t *A, long m0,
+                  const int R, int h, __m256 *f) {
+    const __m256i low = _mm256_set1_epi8(0xf), flip = _mm256_set1_epi8((char)0x80);
+    const long pb = q8 ? 544 : 352;
+    for (long b = 0; b < nb; ++b) {
+        const uint8_t *blk = pk + b * pb;
+        fetch_block2(blk, pb, h);
+        __m256i w[8];
+        if (q8) {
+            for (int g = 0; g < 8; ++g)
+                w[g] = _mm256_xor_si256(_mm256_loadu_si256((const __m256i *)(blk + 32 + 64 * g + 32 * h)), flip);
+        } else {
+            for (int t = 0; t < 4; ++t) {
+                __m256i v = _mm256_loadu_si256((const __m256i *)(blk + 32 + 64 * t + 32 * h));
+                uint32_t k0, k1;
+                memcpy(&k0, blk + 288 + 16 * t + 4 * h, 4);
+                memcpy(&k1, blk + 288 + 16 * t + 8 + 4 * h, 4);
+                w[2 * t] = _mm256_or_si256(_mm256_and_si256(v, low), fifth_bits(k0));
+                w[2 * t + 1] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(v, 4), low), fifth_bits(k1));
+            }
+        }
+        const __m256 d = halfs8(blk + 16 * h);
+        for (int r = 0; r < R; ++r) {
+            const int8_t *a = A->q + (m0 + r) * A->K + 32 * b;
+            __m256i t;
+            if (q8) { /* w signed: |w| (-128 -> 128, unsigned) against a with w's sign */
+                t = _mm256_setzero_si256();
+                for (int g = 0; g < 8; ++g)
+                    t = _mm256_add_epi32(t, dot4_avx2(_mm256_abs_epi8(w[g]), _mm256_sign_epi8(four2(a + 4 * g), w[g])));
+            } else {
+                const int32_t offset = 16 * (int32_t)A->s32[(m0 + r) * (A->K / 32) + b];
+                t = _mm256_sub_epi32(dot2(w, a, 8), _mm256_set1_epi32(offset));
+            }
+            __m256 s = _mm256_set1_ps(A->s[(m0 + r) * nb + b]);
+            f[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(t), _mm256_mul_ps(s, d), f[r]);
+        }
+    }
+}
+
+AI2 void group_rows2(int type, const uint8_t *pk, const acts_t *A, long m0, const int R,
+                     const float *bias, float *y, long ldy, long cols) {
+    for (int h = 0; h < 2 && 8 * h < cols; ++h) {
+        __m256 f[GROUP2];
+        for (int r = 0; r < R; ++r) f[r] = _mm256_setzero_ps();
+        if (type == T_Q4_K)
+            q4_k_half(pk, A->nb, A, m0, R, h, f);
+        else if (type == T_Q6_K)
+            q6_k_half(pk, A->nb, A, m0, R, h, f);
+        else
+            b32_half(type == T_Q8_0, pk, A->nb, A, m0, R, h, f);
+        for (int r = 0; r < R; ++r) {
+            float out[8];
+            _mm256_storeu_ps(out, f[r]);
+            for (long c = 0; c < 8 && 8 * h + c < cols; ++c)
+                y[r * ldy + 8 * h + c] = bias ? out[c] + bias[8 * h + c] : out[c];
+        }
+    }
+}
+
+/* Rows m0..m0+rows-1 of one panel, GROUP2 at a time */
+static void panel_rows_avx2(int type, const uint8_t *pk, const acts_t *A, long m0, long rows,
+                            const float *bias, float *y, long ldy, long cols) {
+    long r = 0;
+    for (; r + GROUP2 <= rows; r += GROUP2)
+        group_rows2(type, pk, A, m0 + r, GROUP2, bias, y + r * ldy, ldy, cols);
+    switch (rows - r) {
+    case 1: group_rows2(type, pk, A, m0 + r, 1, bias, y + r * ldy, ldy, cols); break;
+    case 2: group_rows2(type, pk, A, m0 + r, 2, bias, y + r * ldy, ldy, cols); break;
+    case 3: group_rows2(type, pk, A, m0 + r, 3, bias, y + r * ldy, ldy, cols); break;
+    default: break;
+    }
+}
