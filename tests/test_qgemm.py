@@ -69,6 +69,32 @@ def test_product_matches_reference(kind: GGMLQuantizationType, block: int) -> No
 
 
 @pytest.mark.parametrize(("kind", "block"), CASES, ids=[c[0].name for c in CASES])
+def test_the_largest_quants_against_full_scale_activations_stay_exact(
+    kind: GGMLQuantizationType, block: int
+) -> None:
+    """Every quant at its extreme (Q4_K 15, Q6_K 63, Q5_0 31, Q8_0 -128) against activations
+    of +-127 everywhere: the most any partial integer sum holds (the AVX2 path sums up to 16
+    products in int16 before widening). An overflow or a saturation would be far off the
+    float64 product."""
+    cols, rows = 2 * 256, 16
+    weight = random_blocks(kind, rows, cols, seed=6)
+    blocks = weight.data.reshape(rows, cols // block, -1)
+    blocks[:, :, 2 if kind == T.Q8_0 else 4 if kind == T.Q5_0 else 0 :] = (
+        0x80 if kind == T.Q8_0 else 0xFF
+    )
+    if kind == T.Q4_K:
+        blocks[:, :, 4:16] = 0xFF  # sub-block scales and mins 63: the largest products
+    for offset in SCALE_OFFSETS[kind]:
+        blocks[:, :, offset : offset + 2] = np.array([0.01], dtype=np.float16).view(np.uint8)
+    w = dequantize(weight.data, kind).astype(np.float64)  # [rows, cols]
+    x = np.ones((2, cols), dtype=np.float32)
+    x[1] = -1.0
+    y = qgemm.QuantLinear([weight], None)(torch.from_numpy(x)).double().numpy()  # [2, rows]
+    exact = x.astype(np.float64) @ w.T
+    assert np.all(np.abs(y - exact) <= 1e-5 * (np.abs(x) @ np.abs(w).T)), np.abs(y - exact).max()
+
+
+@pytest.mark.parametrize(("kind", "block"), CASES, ids=[c[0].name for c in CASES])
 def test_weight_rows_are_the_reference_dequantization(
     kind: GGMLQuantizationType, block: int
 ) -> None:

@@ -2,11 +2,13 @@
  *
  * The same integers and the same float steps as the portable path (panel_row) and the AVX-512
  * one, so the same bits. A panel's 16 columns go as two halves of 8 (bytes 32h..32h+31 of
- * each 64-byte group are columns 8h..8h+7), one 256-bit register a half. Without VNNI a
- * 4-product sum is vpmaddubsw then vpmaddwd by ones: exact, since no pair leaves int16
- * (Q4_K 2 * 15 * 127, Q6_K 2 * 63 * 127, Q5_0 2 * 31 * 127; Q8_0's stored w + 128 would not
+ * each 64-byte group are columns 8h..8h+7), one 256-bit register a half. Without VNNI,
+ * vpmaddubsw makes pair sums in int16 (exact: no pair leaves int16, Q4_K 2 * 15 * 127, Q6_K
+ * 2 * 63 * 127, Q5_0 2 * 31 * 127), several of which are added in int16 while they still fit
+ * (sum16) before one vpmaddwd widens them, by the sub-block scale where there is one: half
+ * the multiplies of widening each, so extra rows cost less. Q8_0's stored w + 128 would not
  * fit, so its w is recovered and multiplied as |w| against a with w's sign, 2 * 128 * 127,
- * which is the same integer as the portable path's sum of (w + 128) a less 128 sum a).
+ * which is the same integer as the portable path's sum of (w + 128) a less 128 sum a.
  */
 #include <immintrin.h>
 
@@ -31,9 +33,13 @@ AI2 __m256i dot4_avx2(__m256i w, __m256i a) {
     return _mm256_madd_epi16(_mm256_maddubs_epi16(w, a), _mm256_set1_epi16(1));
 }
 
-AI2 __m256i dot2(const __m256i *w, const int8_t *a, const int n) {
-    __m256i acc = dot4_avx2(w[0], four2(a));
-    for (int e = 1; e < n; ++e) acc = _mm256_add_epi32(acc, dot4_avx2(w[e], four2(a + 4 * e)));
+/* 16 words: each the sum of 2n products of unsigned w bytes and signed a bytes, in int16;
+ * exact while 2n products fit (the caller's n: Q4_K 16 * 15 * 127, Q6_K 4 * 63 * 127, Q5_0
+ * 8 * 31 * 127, all under 32767), so a vpmaddwd by the sub-block scale (or by ones) ends it
+ * instead of one vpmaddwd each */
+AI2 __m256i sum16(const __m256i *w, const int8_t *a, const int n) {
+    __m256i acc = _mm256_maddubs_epi16(w[0], four2(a));
+    for (int e = 1; e < n; ++e) acc = _mm256_add_epi16(acc, _mm256_maddubs_epi16(w[e], four2(a + 4 * e)));
     return acc;
 }
 
@@ -59,9 +65,10 @@ AI2 void q4_k_half(const uint8_t *pk, long nb, const acts_t *A, long m0, const i
                 w[2 * l + 1] = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
             }
             __m256i sc = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(blk + 64 + 16 * j + 8 * h)));
+            sc = _mm256_or_si256(sc, _mm256_slli_epi32(sc, 16)); /* in both words of a dword */
             for (int r = 0; r < R; ++r) {
                 const int8_t *a = A->q + (m0 + r) * A->K + 256 * b + 32 * j;
-                isum[r] = _mm256_add_epi32(isum[r], _mm256_mullo_epi32(dot2(w, a, 8), sc));
+                isum[r] = _mm256_add_epi32(isum[r], _mm256_madd_epi16(sum16(w, a, 8), sc));
             }
         }
         const __m256 d = halfs8(blk + 16 * h), dmin = halfs8(blk + 32 + 16 * h);
@@ -94,8 +101,9 @@ AI2 void q6_k_half(const uint8_t *pk, long nb, const acts_t *A, long m0, const i
             __m256i pair = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(blk + 32 + 32 * p + 16 * h)));
             for (int k = 0; k < 2; ++k) {
                 const int j = 2 * p + k;
-                __m256i sc = k ? _mm256_srai_epi32(pair, 16)
-                               : _mm256_srai_epi32(_mm256_slli_epi32(pair, 16), 16);
+                /* sub-block j's scale in both words of each dword */
+                __m256i sc = k ? _mm256_shufflehi_epi16(_mm256_shufflelo_epi16(pair, 0xf5), 0xf5)
+                               : _mm256_shufflehi_epi16(_mm256_shufflelo_epi16(pair, 0xa0), 0xa0);
                 __m256i v0 = _mm256_loadu_si256((const __m256i *)(blk + 288 + 128 * j + 32 * h));
                 __m256i v1 = _mm256_loadu_si256((const __m256i *)(blk + 288 + 128 * j + 64 + 32 * h));
                 __m256i hb = _mm256_loadu_si256((const __m256i *)(blk + 2336 + 64 * j + 32 * h));
@@ -108,7 +116,8 @@ AI2 void q6_k_half(const uint8_t *pk, long nb, const acts_t *A, long m0, const i
                                     _mm256_and_si256(_mm256_srli_epi16(hb, 2), top))};
                 for (int r = 0; r < R; ++r) {
                     const int8_t *a = A->q + (m0 + r) * A->K + 256 * b + 16 * j;
-                    isum[r] = _mm256_add_epi32(isum[r], _mm256_mullo_epi32(dot2(w, a, 4), sc));
+                    __m256i lo = _mm256_madd_epi16(sum16(w, a, 2), sc);
+                    isum[r] = _mm256_add_epi32(isum[r], _mm256_add_epi32(lo, _mm256_madd_epi16(sum16(w + 2, a + 8, 2), sc)));
                 }
             }
             for (int r = 0; r < R; ++r) {
@@ -168,7 +177,10 @@ AI2 void b32_half(const int q8, const uint8_t *pk, long nb, const acts_t *A, lon
                     t = _mm256_add_epi32(t, dot4_avx2(_mm256_abs_epi8(w[g]), _mm256_sign_epi8(four2(a + 4 * g), w[g])));
             } else {
                 const int32_t offset = 16 * (int32_t)A->s32[(m0 + r) * (A->K / 32) + b];
-                t = _mm256_sub_epi32(dot2(w, a, 8), _mm256_set1_epi32(offset));
+                const __m256i ones = _mm256_set1_epi16(1);
+                t = _mm256_add_epi32(_mm256_madd_epi16(sum16(w, a, 4), ones),
+                                     _mm256_madd_epi16(sum16(w + 4, a + 16, 4), ones));
+                t = _mm256_sub_epi32(t, _mm256_set1_epi32(offset));
             }
             __m256 s = _mm256_set1_ps(A->s[(m0 + r) * nb + b]);
             f[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(t), _mm256_mul_ps(s, d), f[r]);
