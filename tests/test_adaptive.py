@@ -68,3 +68,22 @@ def test_unseen_positions_borrow_the_deepest_estimate():
         policy.observe(15, 3)  # deeper guesses: the 4th is never kept
     assert policy.acceptance(3) < 0.05
     assert policy.choose() == 3
+
+
+def test_a_step_in_the_pass_curve_caps_k_at_the_kernels_row_group():
+    """Passes flat up to 4 rows and twice as dear from 5 (the GGUF kernels' row groups): with
+    the curve, K stops at 3; with only the slope at 16 rows, the same acceptance drafts
+    further. Acceptance 0.95, c = 0.1."""
+    curve = (
+        (1.0, 1.01, 1.02, 1.03)
+        + tuple(2.0 + 0.01 * i for i in range(4))
+        + tuple(3.0 + 0.01 * i for i in range(8))
+    )
+    with_curve = AdaptiveK(15, 0.1, (curve[-1] - 1) / 15, curve)
+    slope_only = AdaptiveK(15, 0.1, (curve[-1] - 1) / 15)
+    for ak in (with_curve, slope_only):
+        for i in range(15):
+            ak.hits[i], ak.tries[i], ak.seen[i] = 95.0, 100.0, 100.0
+    assert with_curve.choose() == 3
+    assert slope_only.choose() > 3
+    assert with_curve.pass_cost(3) == pytest.approx(1.03) and with_curve.pass_cost(4) == 2.0

@@ -114,6 +114,42 @@ def test_auto_path_confidence_is_at_least_what_a_guess_costs(tiny_pair, c, v, au
     assert drafter.path_confidence == pytest.approx(settled)
 
 
+def test_each_guess_pays_for_its_own_row_where_the_pass_curve_is_known(tiny_pair):
+    """With a measured pass curve, guess g + 1's threshold is c plus what its row (row g + 2)
+    adds to the pass: small inside the kernel's row group, a whole pass at its edge (so a
+    round stops there); past the curve, the settled c + v. Without automatic K, none."""
+    from understudy.policy.costs import Costs
+
+    target, draft = tiny_pair
+    drafter = Engine.from_pretrained(target=target, draft=draft, dtype="float32").drafter
+    curve = (1.0, 1.02, 1.03, 1.05, 2.0, 2.01)  # t(n rows) / t(1), flat to 4 rows, then a step
+    costs = Costs(draft_step=0.25, row=0.2, pass_curve=curve)
+    assert costs.row_steps() == pytest.approx((0.02, 0.01, 0.02, 0.95, 0.01))
+    drafter.path_confidence = None
+    drafter.use_costs(costs)
+    drafter.settle_confidence(True)
+    floors = [drafter.path_doubt(g) for g in range(7)]
+    assert floors == pytest.approx([0.27, 0.26, 0.27, 1.0, 0.26, 0.45, 0.45])
+    drafter.path_confidence = None
+    drafter.settle_confidence(False)
+    assert [drafter.path_doubt(g) for g in range(3)] == [0.0, 0.0, 0.0]
+
+
+def test_the_measured_pass_curve_starts_at_one_and_never_falls(tiny_pair):
+    """The engine measures t(n rows) / t(1) for every row count up to its budget on unpadded
+    passes; a timing below a smaller pass's is noise and is raised to it, so no row reads
+    as cheaper than none (row_steps >= 0) and the slope v is the curve's own."""
+    from understudy.policy.costs import row_cost
+
+    target, draft = tiny_pair
+    engine = Engine.from_pretrained(target=target, draft=draft, dtype="float32")
+    curve = engine.costs.pass_curve
+    assert len(curve) == engine.runner.rows and curve[0] == 1.0
+    assert all(later >= earlier for earlier, later in zip(curve, curve[1:], strict=False))
+    assert all(step >= 0.0 for step in engine.costs.row_steps())
+    assert engine.costs.row == pytest.approx(row_cost(curve))
+
+
 def test_path_confidence_stops_on_the_product(tiny_pair):
     """At path confidence 1.0 a round stops before its second guess (the product of
     probabilities below 1 is below 1); greedy output is still plain decoding's."""
@@ -145,6 +181,7 @@ def test_automatic_k_drafts_until_doubt(tiny_pair):
     # the per-token rule at a low bar (the tiny models' probabilities are low, so a product
     # of them would stop every round early): the draft rarely doubts, rounds should run long
     engine.drafter.confidence, engine.drafter.path_confidence = 0.05, 0.0
+    engine.drafter.path_floors = ()  # the per-row floors settled from the pass curve: off too
     k_max = engine.runner.rows - 1
     plain = engine.with_method("none")
     params = SamplingParams(max_tokens=60, temperature=0.0, ignore_eos=True)

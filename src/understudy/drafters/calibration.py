@@ -100,10 +100,14 @@ class DoubtRules(Drafter):
     and plain decoding earns one token a pass, so a guess whose round is kept with a lower
     chance than c + v earns less than plain decoding would in its time (use_costs). On a CPU
     where a draft step is half a target pass this ends rounds far earlier than the tuned
-    value alone."""
+    value alone. Where the pass curve was measured, v is each guess's own row (path_doubt):
+    free inside the kernels' row group, a whole pass at its edge."""
 
     auto_path_confidence = 0.0
     guess_cost = 0.0  # c + v, measured when the engine is built (use_costs)
+    draft_step = 0.0  # c alone
+    row_steps: tuple[float, ...] = ()  # the target row each guess adds, where measured
+    path_floors: tuple[float, ...] = ()  # settled "auto": guess g + 1's threshold, by g
     confidence: float | None
     path_confidence: float | None
     record: RoundRecord
@@ -122,9 +126,22 @@ class DoubtRules(Drafter):
         if self.path_confidence is None:
             auto = min(max(self.auto_path_confidence, self.guess_cost), 1.0)
             self.path_confidence = auto if automatic_k else 0.0
+            floors = (max(self.auto_path_confidence, self.draft_step + s) for s in self.row_steps)
+            self.path_floors = tuple(min(f, 1.0) for f in floors) if automatic_k else ()
 
     def use_costs(self, costs: Costs) -> None:
         self.guess_cost = costs.draft_step + costs.row
+        self.draft_step = costs.draft_step
+        self.row_steps = costs.row_steps()
+
+    def path_doubt(self, guesses: int) -> float:
+        """The calibrated chance of keeping the round below which the guess after `guesses`
+        guesses ends it: with the measured pass curve, c plus what that guess's row costs
+        (nothing inside a kernel's row group, about a whole pass at its edge), else the
+        settled draft_path_confidence."""
+        if guesses < len(self.path_floors):
+            return self.path_floors[guesses]
+        return self.path_confidence or 0.0
 
     @property
     def stops_by_confidence(self) -> bool:

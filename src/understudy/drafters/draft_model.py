@@ -111,7 +111,8 @@ class DraftModelProposer(DoubtRules):
         drafter = DraftModelProposer(
             seat, self.tree, self.branching, self.confidence, self.path_confidence
         )
-        drafter.guess_cost = self.guess_cost
+        drafter.guess_cost, drafter.draft_step = self.guess_cost, self.draft_step
+        drafter.row_steps = self.row_steps
         return drafter
 
     def propose(
@@ -247,7 +248,7 @@ class DraftChain:
         if drafter.confidence or drafter.path_confidence:
             own = drafter._own_probability(logits, q, token)
             self.path *= drafter.calibration.estimate(own)
-            doubt, path_doubt = drafter.confidence or 0.0, drafter.path_confidence or 0.0
+            doubt, path_doubt = drafter.confidence or 0.0, drafter.path_doubt(i)
             if i > 0 and (own < doubt or self.path < path_doubt):
                 return None
             self.own.append(own)

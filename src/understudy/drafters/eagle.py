@@ -183,7 +183,7 @@ class EagleProposer(DoubtRules):
         for i in range(k):
             token, q, own = self._guess(predicted, params, generator)
             path *= self.record.calibration.estimate(own) if self.stops_by_confidence else 1.0
-            if i > 0 and (own < (self.confidence or 0.0) or path < (self.path_confidence or 0.0)):
+            if i > 0 and (own < (self.confidence or 0.0) or path < self.path_doubt(i)):
                 break  # a function of the head's own draws: verification stays exact
             ids.append(token)
             own_probs.append(own)

@@ -6,11 +6,11 @@ tokens at a cost of K*c + 1 target passes. Acceptance is not one number in pract
 i-th guess is accepted less often than the first, so we keep a running estimate of the
 conditional acceptance a_i = P(guess i accepted | guesses 1..i-1 accepted) per position, with
 a Beta prior, and c from measured times. Then E(K) = 1 + sum_j prod_{i<=j} a_i and we pick
-K in 0..k_max maximising E(K) / (K*c + 1 + K*v). K = 0 is plain decoding (speculation does
-not pay); we still probe with K = 1 every few rounds so the estimates can recover. v is the
-target's extra cost per extra row in a pass (a fraction of a 1-row pass): 0 when every pass
-is padded to the same shape, a few percent per row with unpadded row-invariant passes
-(kernels/rowgemm.py), where a pass of 16 rows costs ~1.45x a pass of 1 on a 2-core CPU.
+K in 0..k_max maximising E(K) / (K*c + T(K + 1)). K = 0 is plain decoding (speculation does
+not pay); we still probe with K = 1 every few rounds so the estimates can recover. T(n) is a
+target pass of n rows in 1-row passes: 1 when every pass is padded to the same shape, else
+the curve measured at build where there is one (the GGUF kernels share their weights among
+4 rows: flat to 4, then a step), else 1 + (n - 1) v with v the slope at the row budget.
 
 Determinism: c is measured once, when the engine is built (`Engine.from_pretrained`), and
 the acceptance estimates start fresh for every request, so the K sequence depends only on
@@ -28,10 +28,17 @@ class AdaptiveK:
     SEEN_ENOUGH = 1.0  # observations before a position's own estimate is used
     NEAR_TIE = 0.03  # rates this close to the best count as ties, won by the longer K
 
-    def __init__(self, k_max: int, cost_ratio: float, row_cost: float = 0.0) -> None:
+    def __init__(
+        self,
+        k_max: int,
+        cost_ratio: float,
+        row_cost: float = 0.0,
+        pass_curve: tuple[float, ...] = (),
+    ) -> None:
         self.k_max = k_max
         self.c = cost_ratio  # one draft step / one target pass, measured at engine build
         self.v = row_cost  # extra target cost per extra row in a pass, measured at build
+        self.curve = pass_curve  # t(n rows) / t(1 row), n = 1, 2, ..., where measured
         self.hits = [self.PRIOR_ACCEPT * self.PRIOR_WEIGHT] * k_max  # accepted at position i
         self.tries = [self.PRIOR_WEIGHT] * k_max  # reached position i
         self.seen = [0.0] * k_max  # real (decayed) observations at position i, prior excluded
@@ -60,13 +67,17 @@ class AdaptiveK:
             table.append(table[-1] + reach)
         return table
 
+    def pass_cost(self, k: int) -> float:
+        """A target pass of k + 1 rows in 1-row passes: the measured curve, else 1 + k v."""
+        return self.curve[k] if k < len(self.curve) else 1.0 + k * self.v
+
     def rate(self, k: int) -> float:
         """Modelled tokens per target-pass-equivalent of a round of k guesses."""
-        return self.expected_tokens(k) / (k * self.c + 1.0 + k * self.v)
+        return self.expected_tokens(k) / (k * self.c + self.pass_cost(k))
 
     def choose(self) -> int:
         tokens = self.expected_tokens_upto(self.k_max)  # one sweep: rate(k) for every k
-        rates = [tokens[k] / (k * self.c + 1.0 + k * self.v) for k in range(self.k_max + 1)]
+        rates = [tokens[k] / (k * self.c + self.pass_cost(k)) for k in range(self.k_max + 1)]
         best = max(rates)
         # near the optimum the curve is flat, and real acceptance is burstier than the
         # per-position model (a draft that is right keeps being right), which understates

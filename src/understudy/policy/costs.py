@@ -39,6 +39,16 @@ class Costs:
     row: float = 0.0  # v (0 with padded passes, whose cost does not depend on real rows)
     tree_node: float = 0.0  # v_tree
     catch_up: float = 0.0
+    # t(n rows) / t(1 row) for n = 1, 2, ... up to the row budget, on unpadded passes (empty
+    # where not measured): a kernel that shares its weights among GROUP rows is flat up to
+    # GROUP and steps there, which one slope v cannot say
+    pass_curve: tuple[float, ...] = ()
+
+    def row_steps(self) -> tuple[float, ...]:
+        """What the pass costs more (in 1-row passes) for its (g + 2)-th row, g = 0, 1, ...:
+        the row the (g + 1)-th guess of a round adds."""
+        curve = self.pass_curve
+        return tuple(max(curve[g + 1] - curve[g], 0.0) for g in range(len(curve) - 1))
 
 
 def best_extend_seconds(
@@ -67,19 +77,31 @@ def one_row_seconds(runner: Runner, repeats: int) -> float:
     return seconds
 
 
-def row_cost(runner: Runner, one_row: float, repeats: int = 3) -> float:
-    """v = (t(rows) / t(1) - 1) / (rows - 1) for an unpadded pass of the runner's full row
-    budget, clamped to [0, 1]."""
+def pass_curve(runner: Runner, one_row: float, repeats: int = 2) -> tuple[float, ...]:
+    """t(n) / t(1) for unpadded passes of n = 1 .. the runner's row budget rows (best of
+    `repeats` each, and never below the pass of fewer rows: a timing that dips under its
+    neighbour is noise, and would read as a step at the next row), () without a budget of
+    2 rows or more."""
     rows = runner.rows
     if rows is None or rows < 2:
-        return 0.0
+        return ()
     device = runner.model.device
     context = torch.arange(1, CONTEXT + 1, device=device)
-    guesses = torch.arange(40, 40 + rows, device=device)
     runner.prefill(context, span=MEASURE_SPAN)
-    full = best_extend_seconds(runner, context, guesses, repeats)
+    curve = [1.0]
+    for n in range(2, rows + 1):
+        guesses = torch.arange(40, 40 + n, device=device)
+        seconds = best_extend_seconds(runner, context, guesses, repeats)
+        curve.append(max(curve[-1], seconds / one_row))
     runner.truncate(0)
-    return min(max((full / one_row - 1.0) / (rows - 1), 0.0), 1.0)
+    return tuple(curve)
+
+
+def row_cost(curve: tuple[float, ...]) -> float:
+    """v = (t(rows) / t(1) - 1) / (rows - 1) at the full row budget, clamped to [0, 1]."""
+    if len(curve) < 2:
+        return 0.0
+    return min(max((curve[-1] - 1.0) / (len(curve) - 1), 0.0), 1.0)
 
 
 def tree_node_cost(runner: Runner, one_row: float, repeats: int = 3) -> float:
@@ -117,15 +139,17 @@ def catch_up_seconds(runner: Runner) -> float:
 def measure_costs(
     target: Runner, drafter: Drafter, unpadded: bool, trees: bool, repeats: int = 5
 ) -> Costs:
-    """All four costs of `drafter` against the target's `runner`: v only on unpadded passes
-    (padded ones cost the same whatever their real rows), v_tree only where trees may be
-    chosen (tree="auto"), c clamped to [0.01, 1] (0 for a free drafter)."""
+    """All the costs of `drafter` against the target's `runner`: v and the pass curve only
+    on unpadded passes (padded ones cost the same whatever their real rows), v_tree only
+    where trees may be chosen (tree="auto"), c clamped to [0.01, 1] (0 for a free drafter)."""
     one_row = one_row_seconds(target, repeats)
     step = drafter.step_seconds(repeats)
     draft = drafter.draft_runner()
+    curve = pass_curve(target, one_row) if unpadded else ()
     return Costs(
         draft_step=0.0 if step == 0 else min(max(step / one_row, 0.01), 1.0),
-        row=row_cost(target, one_row) if unpadded else 0.0,
+        row=row_cost(curve),
         tree_node=tree_node_cost(target, one_row) if unpadded and trees else 0.0,
         catch_up=0.0 if draft is None else catch_up_seconds(draft) / one_row,
+        pass_curve=curve,
     )

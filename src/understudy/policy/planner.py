@@ -52,7 +52,11 @@ class RoundPlanner:
         self.stops_by_confidence = stops_by_confidence
         self.shapes = shapes  # tree="auto": shared across the engine's requests
         automatic = k == "auto" and not plans_length
-        self.adaptive = AdaptiveK(self.k_max, costs.draft_step, costs.row) if automatic else None
+        self.adaptive = (
+            AdaptiveK(self.k_max, costs.draft_step, costs.row, costs.pass_curve)
+            if automatic
+            else None
+        )
 
     def plan(self, remaining: int) -> Plan:
         tree = self.tree_mode == "on" or (self.shapes is not None and self.shapes.choose())
