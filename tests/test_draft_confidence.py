@@ -136,10 +136,14 @@ def test_each_guess_pays_for_its_own_row_where_the_pass_curve_is_known(tiny_pair
 
 
 def test_the_measured_pass_curve_starts_at_one_and_never_falls(tiny_pair):
-    """The engine measures t(n rows) / t(1) for every row count up to its budget on unpadded
-    passes; a timing below a smaller pass's is noise and is raised to it, so no row reads
-    as cheaper than none (row_steps >= 0) and the slope v is the curve's own."""
-    from understudy.policy.costs import row_cost
+    """The engine measures t(n rows) / t(1) up to its row budget on unpadded passes (every
+    count to 8, every fourth beyond, linear between); a timing below a smaller pass's is
+    noise and is raised to it, so no row reads as cheaper than none (row_steps >= 0) and
+    the slope v is the curve's own."""
+    from understudy.policy.costs import curve_rows, row_cost
+
+    assert curve_rows(16) == [1, 2, 3, 4, 5, 6, 7, 8, 12, 16]  # timed; linear in between
+    assert curve_rows(10) == [1, 2, 3, 4, 5, 6, 7, 8, 10] and curve_rows(2) == [1, 2]
 
     target, draft = tiny_pair
     engine = Engine.from_pretrained(target=target, draft=draft, dtype="float32")

@@ -31,6 +31,7 @@ if TYPE_CHECKING:
 
 MEASURE_SPAN = 480  # key slots of a typical request (prompt + budget)
 CONTEXT = 32  # tokens of the dummy context the passes are timed after
+EVERY_ROW_UPTO = 8  # pass_curve times each row count up to this, then every fourth
 
 
 @dataclass(frozen=True)
@@ -77,23 +78,37 @@ def one_row_seconds(runner: Runner, repeats: int) -> float:
     return seconds
 
 
+def curve_rows(rows: int) -> list[int]:
+    """The row counts pass_curve times: every one up to EVERY_ROW_UPTO (where most rounds
+    end, and where a kernel's row group steps), then every fourth and the budget itself."""
+    return [n for n in range(1, rows + 1) if n <= EVERY_ROW_UPTO or n % 4 == 0 or n == rows]
+
+
 def pass_curve(runner: Runner, one_row: float, repeats: int = 2) -> tuple[float, ...]:
-    """t(n) / t(1) for unpadded passes of n = 1 .. the runner's row budget rows (best of
-    `repeats` each, and never below the pass of fewer rows: a timing that dips under its
-    neighbour is noise, and would read as a step at the next row), () without a budget of
-    2 rows or more."""
+    """t(n) / t(1) for unpadded passes of n = 1 .. the runner's row budget rows: timed (best
+    of `repeats`) at curve_rows, linear between them, and never below the pass of fewer rows
+    (a timing that dips under its neighbour is noise, and would read as a step at the next
+    row); () without a budget of 2 rows or more. Timing every count would cost the engine's
+    build ~50 target passes more on a CPU whose rows are not flat."""
     rows = runner.rows
     if rows is None or rows < 2:
         return ()
     device = runner.model.device
     context = torch.arange(1, CONTEXT + 1, device=device)
     runner.prefill(context, span=MEASURE_SPAN)
+    timed = {1: 1.0}
+    for n in curve_rows(rows)[1:]:
+        guesses = torch.arange(40, 40 + n, device=device)
+        timed[n] = best_extend_seconds(runner, context, guesses, repeats) / one_row
+    runner.truncate(0)
+    known = sorted(timed)
     curve = [1.0]
     for n in range(2, rows + 1):
-        guesses = torch.arange(40, 40 + n, device=device)
-        seconds = best_extend_seconds(runner, context, guesses, repeats)
-        curve.append(max(curve[-1], seconds / one_row))
-    runner.truncate(0)
+        upper = next(k for k in known if k >= n)
+        lower = max(k for k in known if k <= n)
+        share = 0.0 if upper == lower else (n - lower) / (upper - lower)
+        value = timed[lower] + share * (timed[upper] - timed[lower])
+        curve.append(max(curve[-1], value))
     return tuple(curve)
 
 
