@@ -267,7 +267,7 @@ int understudy_qpack(int type, const uint8_t *w, long row_bytes, long K, long N,
 
 /* Row x [K] -> q [K] int8 (|q| <= 127), one scale per `block` values, and the sum of each
  * 16 quantized values (bsum [K / 16]). Each row alone decides its own scales. */
-QG_UNUSED_IN_AVX512 static void quantize_row(const float *x, long K, int block, int8_t *q, float *scale,
+QG_UNUSED_IN_SIMD static void quantize_row(const float *x, long K, int block, int8_t *q, float *scale,
                          int16_t *bsum) {
     for (long b = 0; b < K / block; ++b) {
         const float *xb = x + b * block;
@@ -408,6 +408,8 @@ int understudy_qgemm(int type, const float *x, const uint8_t *packed, const floa
         for (long m = 0; m < M; ++m) {
 #if QG_AVX512
             quantize_row512(x + m * K, K, (int)bsize, q + m * K, s + m * nb, s16 + m * (K / 16));
+#elif QG_AVX2
+            quantize_row_avx2(x + m * K, K, (int)bsize, q + m * K, s + m * nb, s16 + m * (K / 16));
 #else
             quantize_row(x + m * K, K, (int)bsize, q + m * K, s + m * nb, s16 + m * (K / 16));
 #endif
@@ -424,8 +426,8 @@ int understudy_qgemm(int type, const float *x, const uint8_t *packed, const floa
                 panel_rows512(type, pk, &A, m0, rows, bias ? bias + p * PANEL : NULL,
                               y + m0 * ldy + p * PANEL, ldy, cols);
 #elif QG_AVX2
-                panel_rows_avx2(type, pk, &A, m0, rows, bias ? bias + p * PANEL : NULL,
-                                y + m0 * ldy + p * PANEL, ldy, cols);
+                panel_rows_avx2(type, pk, p + 1 < panels ? pk + nb * pb : NULL, &A, m0, rows,
+                                bias ? bias + p * PANEL : NULL, y + m0 * ldy + p * PANEL, ldy, cols);
 #else
                 for (long m = m0; m < m0 + rows; ++m) {
                     float out[PANEL];
