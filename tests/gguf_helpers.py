@@ -34,6 +34,16 @@ def random_blocks(
     return data.reshape(rows, -1)
 
 
+def scaled_blocks(kind: GGMLQuantizationType, data: np.ndarray, scale: float) -> np.ndarray:
+    """Blocks [rows, row_bytes] with every float16 scale times `scale` (a copy)."""
+    block, size = GGML_QUANT_SIZES[kind]
+    out = data.reshape(data.shape[0], -1, size).copy()
+    for offset in SCALES[kind][0]:
+        halves = out[:, :, offset : offset + 2].copy().view(np.float16)
+        out[:, :, offset : offset + 2] = (halves * np.float16(scale)).view(np.uint8)
+    return out.reshape(data.shape)
+
+
 def random_tensor(kind: GGMLQuantizationType, rows: int, cols: int, seed: int) -> GGUFTensor:
     return GGUFTensor(kind, random_blocks(kind, rows, cols, seed), rows, cols)
 
@@ -59,9 +69,12 @@ def write_tiny_qwen2_gguf(
     eos: int = 0,
     tied: bool = False,
     layer_types: dict[str, GGMLQuantizationType] = LAYER_TYPES,
+    head_scale: float = 1.0,
 ) -> Path:
     """A tiny random Qwen2 GGUF file (no tokenizer: token-id prompts), weights in mixed
-    block types (`layer_types`); embedding Q8_0, output Q6_K (or tied to the embedding)."""
+    block types (`layer_types`); embedding Q8_0, output Q6_K (or tied to the embedding).
+    `head_scale` multiplies the output's float16 scales: the same seed with a larger one is
+    the same network with sharper logits (a draft that ranks tokens as the target does)."""
     h, inter, heads, kv = TINY["hidden"], TINY["inter"], TINY["heads"], TINY["kv_heads"]
     head_dim = h // heads
     rng = np.random.default_rng(seed)
@@ -78,13 +91,17 @@ def write_tiny_qwen2_gguf(
     writer.add_eos_token_id(eos)
     count = [seed * 1000]
 
-    def add(name: str, kind: GGMLQuantizationType, rows: int, cols: int) -> None:
+    def add(
+        name: str, kind: GGMLQuantizationType, rows: int, cols: int, scale: float = 1.0
+    ) -> None:
         count[0] += 1
         if kind == T.F16:
             data = (rng.standard_normal((rows, cols)) * 0.05).astype(np.float16)
             writer.add_tensor(name, data)
         else:
             data = random_blocks(kind, rows, cols, count[0], SCALES[kind][1])
+            if scale != 1.0:
+                data = scaled_blocks(kind, data, scale)
             writer.add_tensor(name, data, raw_dtype=kind)
 
     def add_f32(name: str, values: np.ndarray) -> None:
@@ -92,7 +109,7 @@ def write_tiny_qwen2_gguf(
 
     add("token_embd.weight", T.Q8_0, TINY["vocab"], h)
     if not tied:
-        add("output.weight", T.Q6_K, TINY["vocab"], h)
+        add("output.weight", T.Q6_K, TINY["vocab"], h, head_scale)
     add_f32("output_norm.weight", 1 + 0.1 * rng.standard_normal(h))
     shapes = {
         "attn_q": (heads * head_dim, h),

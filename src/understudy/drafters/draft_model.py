@@ -39,6 +39,7 @@ import torch
 from understudy.config import SamplingParams, UnderstudyError
 from understudy.drafters.base import EMPTY, ChainRequest, Proposal, register
 from understudy.drafters.calibration import DoubtRules, RoundRecord, chain_and_tree_options
+from understudy.drafters.draft_vocab import restrict_draft_vocab
 from understudy.drafters.tree_search import BestFirstTree, tree_log_scores
 from understudy.models.hf_fallback import FallbackLM
 from understudy.models.loader import LoadedModel
@@ -71,8 +72,10 @@ class DraftModelProposer(DoubtRules):
             "tree_branching": 2,
             "draft_confidence": 0.0,
             "draft_path_confidence": "auto",
+            "draft_vocab": "auto",
         }
-        _, tree, branching, confidence, path = chain_and_tree_options("draft", options, defaults)
+        opts, tree, branching, confidence, path = chain_and_tree_options("draft", options, defaults)
+        restrict_draft_vocab(draft, opts["draft_vocab"])  # drafters/draft_vocab.py
         runner = Runner(draft.model, max_context)
         return cls(runner, tree, branching, confidence, path)
 
