@@ -17,6 +17,11 @@ import tempfile
 from pathlib import Path
 
 NATIVE_FLAGS = ("-O3", "-march=native", "-fopenmp", "-ffp-contract=off")
+# For the elementwise kernels (exp, sigmoid, softmax): without it a select next to a division
+# (`g < 0 ? e : 1` over `1 + e`) keeps a loop scalar, since a division must not run where the
+# C code would not have run it (it might trap). Values do not change: every operation still
+# rounds as IEEE 754 says, vector or scalar; only floating-point exceptions go unobserved.
+VECTOR_FLAGS = (*NATIVE_FLAGS, "-fno-trapping-math")
 
 
 def cpu_signature() -> str:

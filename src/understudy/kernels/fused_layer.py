@@ -22,7 +22,7 @@ import torch
 from torch import nn
 
 from understudy.kernels import qgemm
-from understudy.kernels.build import open_library
+from understudy.kernels.build import VECTOR_FLAGS, open_library
 from understudy.models.fetch import cache_dir
 from understudy.models.moe import MLP
 from understudy.models.norms import RMSNorm
@@ -65,7 +65,7 @@ class LayerArgs(ctypes.Structure):
 @cache
 def load() -> ctypes.CDLL | None:
     """The compiled library, building it if needed; None when it (or qgemm) cannot be built."""
-    lib = open_library(SOURCE, cache_dir() / "kernels")
+    lib = open_library(SOURCE, cache_dir() / "kernels", VECTOR_FLAGS)
     if lib is None or qgemm.load() is None:
         return None
     ptr, long = ctypes.c_void_p, ctypes.c_long

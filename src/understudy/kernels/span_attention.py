@@ -18,14 +18,14 @@ from pathlib import Path
 
 import torch
 
-from understudy.kernels.build import NATIVE_FLAGS, open_library
+from understudy.kernels.build import VECTOR_FLAGS, open_library
 from understudy.models.fetch import cache_dir
 
 SOURCE = Path(__file__).with_name("span_attention.c")
 
 
 @cache
-def load(flags: tuple[str, ...] = NATIVE_FLAGS) -> ctypes.CDLL | None:
+def load(flags: tuple[str, ...] = VECTOR_FLAGS) -> ctypes.CDLL | None:
     """span_attention.c compiled with `flags` (default: for this CPU), building it if needed;
     None when it cannot be built."""
     lib = open_library(SOURCE, cache_dir() / "kernels", flags)
