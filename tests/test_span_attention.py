@@ -1,6 +1,6 @@
 """kernels/span_attention.c: decode rows' attention against a float64 reference, row
-invariance (a row's bits alone and among others, on 1 and 2 threads), the portable build's
-bits against the AVX-512 path's, and its refusal of rows that do not see one run of keys."""
+invariance (a row's bits alone and among others, on 1 and 2 threads), the portable and AVX2
+builds' bits against this CPU's path, and its refusal of rows that do not see one run of keys."""
 
 from __future__ import annotations
 
@@ -11,7 +11,10 @@ from understudy.kernels import span_attention as kernel
 
 pytestmark = pytest.mark.skipif(not kernel.available(), reason="span_attention cannot be built")
 
-PORTABLE = ("-O3", "-march=x86-64", "-fopenmp", "-ffp-contract=off")  # no AVX at all
+OTHER_BUILDS = {
+    "portable": ("-O3", "-march=x86-64", "-fopenmp", "-ffp-contract=off"),  # no AVX at all
+    "avx2": ("-O3", "-march=haswell", "-fopenmp", "-ffp-contract=off"),
+}
 
 
 def case(rows: int, heads: int, kv_heads: int, dim: int, length: int, per_row: bool, seed: int):
@@ -78,16 +81,17 @@ def test_a_row_has_the_same_bits_alone_and_among_others(threads: int) -> None:
         torch.set_num_threads(before)
 
 
-def test_the_portable_build_gives_the_same_bits() -> None:
-    """The AVX-512 path computes the portable C path's sums in its order: same bits, for
-    rows with fewer than 4 keys left over and feature sizes that are not a multiple of 64."""
-    portable = kernel.load(PORTABLE)
-    if portable is None or kernel.load() is None:
-        pytest.skip("no portable build here")
+@pytest.mark.parametrize("build", sorted(OTHER_BUILDS))
+def test_every_instruction_set_gives_the_same_bits(build: str) -> None:
+    """The AVX-512 and AVX2 paths compute the portable C path's sums in its order: same bits,
+    for rows with fewer than 4 keys left over and feature sizes that are not a multiple of 64."""
+    library = kernel.load(OTHER_BUILDS[build])
+    if library is None or kernel.load() is None:
+        pytest.skip(f"no {build} build here")
     for heads, kv_heads, dim, length in ((12, 2, 128, 301), (14, 2, 64, 30), (4, 4, 80, 19)):
         q, keys, values, mask = case(6, heads, kv_heads, dim, length, per_row=False, seed=dim)
         native = kernel.span_attention(q, keys, values, mask, dim**-0.5)
-        other = kernel.span_attention(q, keys, values, mask, dim**-0.5, lib=portable)
+        other = kernel.span_attention(q, keys, values, mask, dim**-0.5, lib=library)
         assert native is not None and other is not None
         assert torch.equal(native, other), (heads, dim, (native - other).abs().max())
 

@@ -24,7 +24,7 @@
 #include <string.h>
 
 #include "exp_poly.h"
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) || defined(__AVX2__)
 #include <immintrin.h>
 #endif
 
@@ -54,6 +54,29 @@ static inline void dots4(const float *restrict q, const float *restrict k, long 
     }
     out[0] = tree_sum(a0), out[1] = tree_sum(a1), out[2] = tree_sum(a2), out[3] = tree_sum(a3);
 }
+#elif defined(__AVX2__)
+/* the 16 lanes as two registers: lo lanes 0..7, hi lanes 8..15; the same tree */
+static inline float tree_sum(__m256 lo, __m256 hi) {
+    __m256 a = _mm256_add_ps(lo, hi);
+    __m128 b = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
+    __m128 c = _mm_add_ps(b, _mm_movehl_ps(b, b));
+    return _mm_cvtss_f32(_mm_add_ss(c, _mm_shuffle_ps(c, c, 1)));
+}
+
+static inline void dots4(const float *restrict q, const float *restrict k, long stride,
+                         long dim, float *restrict out) {
+    __m256 lo[4], hi[4];
+    for (int i = 0; i < 4; i++) lo[i] = hi[i] = _mm256_setzero_ps();
+    for (long d = 0; d < dim; d += LANES) {
+        __m256 x0 = _mm256_loadu_ps(q + d), x1 = _mm256_loadu_ps(q + d + 8);
+        for (int i = 0; i < 4; i++) {
+            const float *ki = k + i * stride + d;
+            lo[i] = _mm256_add_ps(lo[i], _mm256_mul_ps(x0, _mm256_loadu_ps(ki)));
+            hi[i] = _mm256_add_ps(hi[i], _mm256_mul_ps(x1, _mm256_loadu_ps(ki + 8)));
+        }
+    }
+    for (int i = 0; i < 4; i++) out[i] = tree_sum(lo[i], hi[i]);
+}
 #endif
 
 static inline float dot(const float *restrict a, const float *restrict b, long dim) {
@@ -65,11 +88,11 @@ static inline float dot(const float *restrict a, const float *restrict b, long d
     return acc[0];
 }
 
-/* the PORTABLE path is the definition; the AVX-512 one computes the same sums */
+/* the PORTABLE path is the definition; the AVX-512 and AVX2 ones compute the same sums */
 static void scores_of(const float *restrict q, const float *restrict k, long stride, long n,
                       long dim, float *restrict scores) {
     long j = 0;
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) || defined(__AVX2__)
     for (; j + 4 <= n; j += 4) dots4(q, k + j * stride, stride, dim, scores + j);
 #endif
     for (; j < n; j++) scores[j] = dot(q, k + j * stride, dim);
@@ -94,6 +117,17 @@ static void weighted_sum(const float *restrict p, const float *restrict v, long 
         _mm512_storeu_ps(out + d0 + LANES, a1);
         _mm512_storeu_ps(out + d0 + 2 * LANES, a2);
         _mm512_storeu_ps(out + d0 + 3 * LANES, a3);
+    }
+#elif defined(__AVX2__)
+    for (; d0 + 64 <= dim; d0 += 64) {  /* 64 features in 8 registers */
+        __m256 a[8];
+        for (int i = 0; i < 8; i++) a[i] = _mm256_setzero_ps();
+        for (long j = 0; j < n; j++) {
+            const float *vj = v + j * stride + d0;
+            __m256 w = _mm256_set1_ps(p[j]);
+            for (int i = 0; i < 8; i++) a[i] = _mm256_add_ps(a[i], _mm256_mul_ps(w, _mm256_loadu_ps(vj + 8 * i)));
+        }
+        for (int i = 0; i < 8; i++) _mm256_storeu_ps(out + d0 + 8 * i, a[i]);
     }
 #endif
     for (long d = d0; d < dim; d++) out[d] = 0.0f;
