@@ -6,6 +6,8 @@ format keeps them). References are float64 matmuls with gguf's own dequantized w
 
 from __future__ import annotations
 
+import ctypes
+
 import numpy as np
 import pytest
 import torch
@@ -217,3 +219,54 @@ def test_panels_pad_a_partial_last_panel_without_writing_past_it() -> None:
     y = linear(x)
     alone = qgemm.QuantLinear([weight], None)(x)
     assert torch.equal(y[:, :21], alone)
+
+
+def parts_call(lib, linears: list[qgemm.QuantLinear], firsts: list[int], x, ldy: int):
+    """understudy_qgemm_parts over each linear's one part, into y [M, ldy] filled with a
+    sentinel: (return code, y)."""
+    n = len(linears)
+    calls = [linear.kernel_calls[0] for linear in linears]  # (kind, packed, bias, at, rows)
+    y = torch.full((x.shape[0], ldy), 7.5)
+    code = lib.understudy_qgemm_parts(
+        n, (ctypes.c_int * n)(*[c[0] for c in calls]), (ctypes.c_void_p * n)(*[c[1] for c in calls]),
+        (ctypes.c_void_p * n)(*[c[2] or None for c in calls]), (ctypes.c_long * n)(*firsts),
+        (ctypes.c_long * n)(*[c[4] for c in calls]), x.data_ptr(), y.data_ptr(), ldy, x.shape[0],
+        x.shape[1], torch.get_num_threads(),
+    )  # fmt: skip
+    return code, y
+
+
+def test_parts_in_one_call_have_the_bits_of_each_part_alone() -> None:
+    """One call over parts of all four types (one quantization per block size, the panels of
+    all parts shared over the threads): each part's columns are bitwise those of a call of
+    its own, with its bias, for 1..11 rows on 1 and 2 threads; columns between and after
+    the parts are never written."""
+    lib = qgemm.load()
+    shapes = [(T.Q4_K, 21), (T.Q8_0, 5), (T.Q6_K, 40), (T.Q5_0, 17)]
+    linears = [
+        qgemm.QuantLinear([random_blocks(kind, rows, 512, seed=60 + i)], torch.randn(rows))
+        for i, (kind, rows) in enumerate(shapes)
+    ]
+    firsts, at = [], 0
+    for _, rows in shapes:
+        firsts.append(at)
+        at += rows + 3  # a gap of 3 columns after each part
+    x = torch.randn(11, 512) * torch.logspace(-2, 1, 11)[:, None]
+    threads = torch.get_num_threads()
+    try:
+        for n_threads in (1, 2):
+            torch.set_num_threads(n_threads)
+            for m in (1, 3, 4, 5, 8, 11):
+                code, y = parts_call(lib, linears, firsts, x[:m], at)
+                assert code == 0
+                written = torch.zeros(at, dtype=torch.bool)
+                for linear, first, (kind, rows) in zip(linears, firsts, shapes, strict=True):
+                    alone = linear(x[:m])
+                    assert torch.equal(y[:, first : first + rows], alone), (kind.name, m)
+                    written[first : first + rows] = True
+                assert (y[:, ~written] == 7.5).all(), m
+    finally:
+        torch.set_num_threads(threads)
+    too_many = [linears[0]] * 5
+    assert parts_call(lib, too_many, [0] * 5, x[:1], at)[0] == -1
+    assert parts_call(lib, linears[:1], [at - 10], x[:1], at)[0] == -1  # past ldy

@@ -26,8 +26,10 @@
 #define LANES 16
 #define MAX_PARTS 4
 
-typedef int (*qgemm_fn)(int type, const float *x, const void *packed, const float *bias,
-                        float *y, long ldy, long M, long K, long N, int threads);
+/* qgemm.c's understudy_qgemm_parts: y's columns first[p] .. first[p] + N[p] - 1 = x W_p^T */
+typedef int (*qgemm_fn)(long parts, const int *types, const void *const *packed,
+                        const float *const *bias, const long *first, const long *N,
+                        const float *x, float *y, long ldy, long M, long K, int threads);
 
 /* y = x W^T + b with W the concatenation (along out) of up to MAX_PARTS block tensors. */
 typedef struct {
@@ -47,15 +49,11 @@ typedef struct {
     long hidden, heads, kv_heads, head_dim, intermediate;
 } layer_t;
 
+/* all of a linear's parts in one qgemm call (one quantization of x, one parallel region) */
 static int apply(const layer_t *L, const linear_t *lin, const float *x, float *y, long rows,
                  int threads) {
-    for (long p = 0; p < lin->parts; p++) {
-        int code = L->qgemm(lin->kinds[p], x, lin->weights[p], lin->biases[p],
-                            y + lin->first[p], lin->out_features, rows, lin->in_features,
-                            lin->rows[p], threads);
-        if (code) return code;
-    }
-    return 0;
+    return L->qgemm(lin->parts, lin->kinds, lin->weights, lin->biases, lin->first, lin->rows, x,
+                    y, lin->out_features, rows, lin->in_features, threads);
 }
 
 /* out = x / sqrt(mean(x^2) + eps) * w, for one row */

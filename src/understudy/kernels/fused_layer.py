@@ -122,7 +122,7 @@ class FusedLayer:
             return None
         for norm in (block.attn_norm, block.mlp_norm):
             assert norm.weight.is_contiguous()
-        address = ctypes.cast(qgemm.load().understudy_qgemm, ctypes.c_void_p).value
+        address = ctypes.cast(qgemm.load().understudy_qgemm_parts, ctypes.c_void_p).value
         args = LayerArgs(
             address, *parts, block.attn_norm.weight.data_ptr(), block.mlp_norm.weight.data_ptr(),
             block.attn_norm.eps, cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,

@@ -58,6 +58,7 @@
 #define T_Q6_K 14
 
 #define PANEL 16 /* columns side by side */
+#define MAX_PARTS 4 /* weights in one understudy_qgemm_parts call */
 #define ROW_TILE 32 /* rows whose activations one pass over the panels serves (L2-sized) */
 #define SERIAL_BELOW 1e6 /* multiply-adds: smaller calls run on one thread (no fork/join) */
 
@@ -379,71 +380,125 @@ QG_UNUSED_IN_SIMD static void panel_row(int type, const uint8_t *pk, const acts_
 
 static size_t round_up(size_t n, size_t to) { return (n + to - 1) / to * to; }
 
-/* x [M, K] float32; packed: W [N, K] of `type` in the panel layout (understudy_qpack);
- * bias [N] or NULL; y [M, ldy] float32, columns 0..N-1 written. Returns 0, or -1 for a
- * type or shape it does not take, or -2 when out of memory. Threads: OpenMP, panels. */
-int understudy_qgemm(int type, const float *x, const uint8_t *packed, const float *bias,
-                     float *y, long ldy, long M, long K, long N, int threads) {
-    long bsize = block_size(type), pb = panel_bytes(type);
-    if (pb == 0 || K <= 0 || K % bsize != 0 || ldy < N) return -1;
-    if (M <= 0 || N <= 0) return 0;
-    if (threads < 1 || (double)M * K * N < SERIAL_BELOW) threads = 1;
-    long nb = K / bsize, panels = (N + PANEL - 1) / PANEL;
+/* A call's activations quantized for one block size (32 or 256): acts_t and its buffers. */
+static int acts_alloc(acts_t *A, long M, long K, long bsize) {
     /* 64-byte aligned: a row's 512-bit loads never straddle two cache lines */
     int8_t *q = aligned_alloc(64, round_up((size_t)(M * K), 64));
-    float *s = aligned_alloc(64, round_up(sizeof(float) * (size_t)(M * nb), 64));
+    float *s = aligned_alloc(64, round_up(sizeof(float) * (size_t)(M * (K / bsize)), 64));
     int16_t *s16 = aligned_alloc(64, round_up(sizeof(int16_t) * (size_t)(M * (K / 16)), 64));
     int16_t *s32 = aligned_alloc(64, round_up(sizeof(int16_t) * (size_t)(M * (K / 32)), 64));
-    if (!q || !s || !s16 || !s32) {
-        free(q);
-        free(s);
-        free(s16);
-        free(s32);
-        return -2;
+    *A = (acts_t){q, s, s16, s32, K, K / bsize};
+    return q && s && s16 && s32 ? 0 : -2;
+}
+
+static void acts_free(acts_t *A) {
+    free((void *)A->q);
+    free((void *)A->s);
+    free((void *)A->s16);
+    free((void *)A->s32);
+}
+
+/* row m of x [M, K] quantized into A (block size K / A->nb) */
+static void acts_quantize(const float *x, long m, const acts_t *A) {
+    const long K = A->K, bsize = K / A->nb;
+    int8_t *q = (int8_t *)A->q + m * K;
+    float *s = (float *)A->s + m * A->nb;
+    int16_t *s16 = (int16_t *)A->s16 + m * (K / 16), *s32 = (int16_t *)A->s32 + m * (K / 32);
+#if QG_AVX512
+    quantize_row512(x + m * K, K, (int)bsize, q, s, s16);
+#elif QG_AVX2
+    quantize_row_avx2(x + m * K, K, (int)bsize, q, s, s16);
+#else
+    quantize_row(x + m * K, K, (int)bsize, q, s, s16);
+#endif
+    for (long g = 0; g < K / 32; ++g) s32[g] = (int16_t)(s16[2 * g] + s16[2 * g + 1]);
+}
+
+/* Several weights against one x, in one call: part p writes y's columns first[p] ..
+ * first[p] + N[p] - 1, x W_p^T (+ bias[p]); W_p [N[p], K] of types[p] in the panel layout
+ * (understudy_qpack), bias[p] [N[p]] or NULL; x [M, K] float32; y [M, ldy] float32.
+ * x is quantized once for each block size among the parts, and the panels of all the parts
+ * are shared over the threads in one parallel region: a layer's q, k and v (or gate and
+ * up) cost one fork and one quantization, and small ones run on every thread together.
+ * Each (row, column) is computed exactly as a call of its part alone computes it (the
+ * header's invariant): the same bits. Returns 0, or -1 for a type or shape it does not
+ * take, or -2 when out of memory. */
+int understudy_qgemm_parts(long parts, const int *types, const uint8_t *const *packed,
+                           const float *const *bias, const long *first, const long *N,
+                           const float *x, float *y, long ldy, long M, long K, int threads) {
+    long panels_before[MAX_PARTS + 1] = {0}, columns = 0;
+    int needs[2] = {0, 0}; /* block size 32, 256 */
+    if (parts < 1 || parts > MAX_PARTS || K <= 0) return -1;
+    for (long p = 0; p < parts; ++p) {
+        long bsize = block_size(types[p]);
+        if (panel_bytes(types[p]) == 0 || K % bsize != 0 || N[p] < 0 || first[p] < 0 ||
+            first[p] + N[p] > ldy)
+            return -1;
+        needs[bsize == 256] = 1;
+        panels_before[p + 1] = panels_before[p] + (N[p] + PANEL - 1) / PANEL;
+        columns += N[p];
     }
-    acts_t A = {q, s, s16, s32, K, nb};
+    if (M <= 0 || columns == 0) return 0;
+    if (threads < 1 || (double)M * K * columns < SERIAL_BELOW) threads = 1;
+    acts_t A[2] = {{0}, {0}};
+    int code = 0;
+    for (int g = 0; g < 2; ++g)
+        if (needs[g] && acts_alloc(&A[g], M, K, g ? 256 : 32)) code = -2;
+    if (code) {
+        for (int g = 0; g < 2; ++g) acts_free(&A[g]);
+        return code;
+    }
+    const long total = panels_before[parts];
 #pragma omp parallel num_threads(threads) if (threads > 1)
     {
+        for (int g = 0; g < 2; ++g) {
+            if (!needs[g]) continue;
 #pragma omp for schedule(static)
-        for (long m = 0; m < M; ++m) {
-#if QG_AVX512
-            quantize_row512(x + m * K, K, (int)bsize, q + m * K, s + m * nb, s16 + m * (K / 16));
-#elif QG_AVX2
-            quantize_row_avx2(x + m * K, K, (int)bsize, q + m * K, s + m * nb, s16 + m * (K / 16));
-#else
-            quantize_row(x + m * K, K, (int)bsize, q + m * K, s + m * nb, s16 + m * (K / 16));
-#endif
-            for (long g = 0; g < K / 32; ++g)
-                s32[m * (K / 32) + g] = (int16_t)(s16[m * (K / 16) + 2 * g] + s16[m * (K / 16) + 2 * g + 1]);
+            for (long m = 0; m < M; ++m) acts_quantize(x, m, &A[g]);
         }
         for (long m0 = 0; m0 < M; m0 += ROW_TILE) {
             long rows = M - m0 < ROW_TILE ? M - m0 : ROW_TILE;
 #pragma omp for schedule(static)
-            for (long p = 0; p < panels; ++p) {
-                const uint8_t *pk = packed + p * nb * pb;
-                long cols = N - p * PANEL < PANEL ? N - p * PANEL : PANEL;
+            for (long i = 0; i < total; ++i) {
+                long p = 0;
+                while (i >= panels_before[p + 1]) ++p;
+                const int type = types[p];
+                const acts_t *Ap = &A[block_size(type) == 256];
+                const long panel = i - panels_before[p], pb = panel_bytes(type);
+                const uint8_t *pk = packed[p] + panel * Ap->nb * pb;
+                const float *b = bias[p] ? bias[p] + panel * PANEL : NULL;
+                float *out = y + m0 * ldy + first[p] + panel * PANEL;
+                long cols = N[p] - panel * PANEL < PANEL ? N[p] - panel * PANEL : PANEL;
 #if QG_AVX512
-                panel_rows512(type, pk, &A, m0, rows, bias ? bias + p * PANEL : NULL,
-                              y + m0 * ldy + p * PANEL, ldy, cols);
+                panel_rows512(type, pk, Ap, m0, rows, b, out, ldy, cols);
 #elif QG_AVX2
-                panel_rows_avx2(type, pk, p + 1 < panels ? pk + nb * pb : NULL, &A, m0, rows,
-                                bias ? bias + p * PANEL : NULL, y + m0 * ldy + p * PANEL, ldy, cols);
+                /* the part's next panel, for the prefetch (NULL after its last) */
+                const uint8_t *next = i + 1 < panels_before[p + 1] ? pk + Ap->nb * pb : NULL;
+                panel_rows_avx2(type, pk, next, Ap, m0, rows, b, out, ldy, cols);
 #else
                 for (long m = m0; m < m0 + rows; ++m) {
-                    float out[PANEL];
-                    panel_row(type, pk, &A, m, out);
+                    float acc[PANEL];
+                    panel_row(type, pk, Ap, m, acc);
                     for (long c = 0; c < cols; ++c)
-                        y[m * ldy + p * PANEL + c] = bias ? out[c] + bias[p * PANEL + c] : out[c];
+                        out[(m - m0) * ldy + c] = b ? acc[c] + b[c] : acc[c];
                 }
 #endif
             }
         }
     }
-    free(q);
-    free(s);
-    free(s16);
-    free(s32);
+    for (int g = 0; g < 2; ++g) acts_free(&A[g]);
     return 0;
+}
+
+/* x [M, K] float32; packed: W [N, K] of `type` in the panel layout (understudy_qpack);
+ * bias [N] or NULL; y [M, ldy] float32, columns 0..N-1 written: understudy_qgemm_parts
+ * with one part. Returns 0, or -1 for a type or shape it does not take, or -2 when out of
+ * memory. Threads: OpenMP, panels. */
+int understudy_qgemm(int type, const float *x, const uint8_t *packed, const float *bias,
+                     float *y, long ldy, long M, long K, long N, int threads) {
+    const long first = 0;
+    if (ldy < N) return -1;
+    return understudy_qgemm_parts(1, &type, &packed, &bias, &first, &N, x, y, ldy, M, K, threads);
 }
 
 /* Rows `index` [R] of W (its GGUF layout), dequantized to float32 out [R, K] (embedding

@@ -55,6 +55,8 @@ def bind(path: Path) -> ctypes.CDLL | None:
     lib.understudy_qgemm.argtypes = [ctypes.c_int, ptr, ptr, ptr, ptr] + [long] * 4
     lib.understudy_qgemm.argtypes += [ctypes.c_int]
     lib.understudy_qgemm.restype = ctypes.c_int
+    lib.understudy_qgemm_parts.argtypes = [long] + [ptr] * 7 + [long] * 3 + [ctypes.c_int]
+    lib.understudy_qgemm_parts.restype = ctypes.c_int
     lib.understudy_qpack_bytes.argtypes = [ctypes.c_int, long, long]
     lib.understudy_qpack_bytes.restype = long
     lib.understudy_qpack.argtypes = [ctypes.c_int, ptr, long, long, long, ptr, ctypes.c_int]
