@@ -12,7 +12,8 @@ seeded sampling stays reproducible.
 
 Timings use a typical request's key window (MEASURE_SPAN slots), not the engine's whole
 max_context: attention over thousands of empty slots would inflate the target's pass. Each
-figure is the best of a few repeats after a warm-up, so a busy machine disturbs it less.
+figure is the best of a few repeats after a warm-up, so a busy machine disturbs it less, and
+the pass curve's ratios are of passes timed in turns (paired_ratio).
 """
 
 from __future__ import annotations
@@ -84,12 +85,33 @@ def curve_rows(rows: int) -> list[int]:
     return [n for n in range(1, rows + 1) if n <= EVERY_ROW_UPTO or n % 4 == 0 or n == rows]
 
 
-def pass_curve(runner: Runner, one_row: float, repeats: int = 2) -> tuple[float, ...]:
-    """t(n) / t(1) for unpadded passes of n = 1 .. the runner's row budget rows: timed (best
-    of `repeats`) at curve_rows, linear between them, and never below the pass of fewer rows
-    (a timing that dips under its neighbour is noise, and would read as a step at the next
-    row); () without a budget of 2 rows or more. Timing every count would cost the engine's
-    build ~50 target passes more on a CPU whose rows are not flat."""
+def paired_ratio(
+    runner: Runner, context: torch.Tensor, tokens: torch.Tensor, repeats: int
+) -> float:
+    """t(pass scoring `tokens`) / t(one-row pass) after `context` (already prefilled): the
+    two passes timed in turns, `repeats` times each after a warm-up of both, best over best.
+    Timed in turns, a machine that slows down or speeds up between figures (another tenant's
+    load) moves both alike, where a ratio to a one-row time taken earlier would move."""
+    passes = (context[:1], tokens)
+    for passed in passes:  # warm-up
+        runner.extend(passed)
+        runner.truncate(context.shape[0])
+    best = [float("inf"), float("inf")]  # one row, tokens
+    for _ in range(repeats):
+        for i, passed in enumerate(passes):
+            t0 = time.perf_counter()
+            runner.extend(passed)
+            best[i] = min(best[i], time.perf_counter() - t0)
+            runner.truncate(context.shape[0])
+    return best[1] / best[0]
+
+
+def pass_curve(runner: Runner, repeats: int = 2) -> tuple[float, ...]:
+    """t(n) / t(1) for unpadded passes of n = 1 .. the runner's row budget rows: timed
+    (paired_ratio) at curve_rows, linear between them, and never below the pass of fewer
+    rows (a timing that dips under its neighbour is noise, and would read as a step at the
+    next row); () without a budget of 2 rows or more. Timing every count would cost the
+    engine's build ~50 target passes more on a CPU whose rows are not flat."""
     rows = runner.rows
     if rows is None or rows < 2:
         return ()
@@ -98,8 +120,7 @@ def pass_curve(runner: Runner, one_row: float, repeats: int = 2) -> tuple[float,
     runner.prefill(context, span=MEASURE_SPAN)
     timed = {1: 1.0}
     for n in curve_rows(rows)[1:]:
-        guesses = torch.arange(40, 40 + n, device=device)
-        timed[n] = best_extend_seconds(runner, context, guesses, repeats) / one_row
+        timed[n] = paired_ratio(runner, context, torch.arange(40, 40 + n, device=device), repeats)
     runner.truncate(0)
     known = sorted(timed)
     curve = [1.0]
@@ -160,7 +181,7 @@ def measure_costs(
     one_row = one_row_seconds(target, repeats)
     step = drafter.step_seconds(repeats)
     draft = drafter.draft_runner()
-    curve = pass_curve(target, one_row) if unpadded else ()
+    curve = pass_curve(target) if unpadded else ()
     return Costs(
         draft_step=0.0 if step == 0 else min(max(step / one_row, 0.01), 1.0),
         row=row_cost(curve),
