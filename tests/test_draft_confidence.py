@@ -233,3 +233,43 @@ def test_calibration_observes_each_judged_guess(tiny_pair):
     calibration = engine.drafter.calibration
     assert judged > 0 and sum(calibration.seen) == judged
     assert sum(calibration.kept) == kept
+
+
+def test_a_round_the_path_rule_must_end_skips_the_pass_that_would_show_it(tiny_pair, monkeypatch):
+    """When the path times the highest calibrated estimate is under the next guess's floor,
+    no draft can pass it: the chain ends without the draft pass that would only show that.
+    Every round proposes the same guesses as with that pass taken (the bound disabled), the
+    output is plain decoding's, and fewer draft passes run."""
+    from understudy.drafters.calibration import AcceptanceCalibration
+
+    target, draft = tiny_pair
+    engine = Engine.from_pretrained(
+        target=target, draft=draft, dtype="float32", num_speculative_tokens=6,
+        draft_path_confidence=0.5,
+    )  # fmt: skip
+    runner = engine.drafter.draft_runner()
+    extend = runner.extend
+    passes = [0]
+
+    def counted(*args, **kwargs):
+        passes[0] += 1
+        return extend(*args, **kwargs)
+
+    monkeypatch.setattr(runner, "extend", counted)
+    params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
+    prompts = random_prompts(3, seed=11)
+    plain = [engine.with_method("none").generate(p, params).token_ids for p in prompts]
+
+    def run() -> tuple[list[list[int]], list[list[int]], int]:
+        passes[0] = 0
+        rounds, outputs = [], []
+        for prompt in prompts:
+            events = engine.stream(prompt, params, on_round=rounds.append)
+            outputs.append([event.token_id for event in events])
+        return [list(r.drafted) for r in rounds], outputs, passes[0]
+
+    proposals, outputs, skipping = run()
+    monkeypatch.setattr(AcceptanceCalibration, "highest_estimate", lambda self: float("inf"))
+    proposals_on, outputs_on, drafting_on = run()
+    assert proposals == proposals_on and outputs == outputs_on == plain
+    assert skipping < drafting_on, (skipping, drafting_on)

@@ -42,6 +42,7 @@ from understudy.bench.prompts import (
 from understudy.bench.report import NOTES, markdown_table, rich_table
 from understudy.bench.summary import identity_flags, summarize
 from understudy.config import SamplingParams, UnderstudyError, parse_num_speculative_tokens
+from understudy.engine.builder import resolve_draft_quantization
 from understudy.models.registry import DEFAULT_TARGET
 
 WARMUP_TOKENS = 4
@@ -131,7 +132,10 @@ class Bench:
                 "exact": e.exact,
                 "cost_ratio": e.costs.draft_step if e.drafter is not None else None,
                 "options": spec.options,
-                "draft_quantization": self.pool.scheme(spec.draft_quantization)
+                # what was applied to the loaded draft (none to one run from GGUF blocks)
+                "draft_quantization": resolve_draft_quantization(
+                    spec.draft_quantization, self.pool.draft(spec.draft_quantization), True
+                )
                 if spec.needs_draft_model
                 else None,
             }

@@ -45,6 +45,16 @@ class AcceptanceCalibration:
         b = self._bin(p)
         return (self.kept[b] + self.PRIOR_WEIGHT * p) / (self.seen[b] + self.PRIOR_WEIGHT)
 
+    def highest_estimate(self) -> float:
+        """An upper bound of estimate(p) over every p: each bin's estimate at its top edge
+        (estimate grows with p inside a bin). A path whose product with it is below a
+        threshold is below it whatever the next guess's p."""
+        prior = self.PRIOR_WEIGHT
+        return max(
+            (self.kept[b] + prior * (b + 1) / self.BINS) / (self.seen[b] + prior)
+            for b in range(self.BINS)
+        )
+
     def observe_round(self, probabilities: list[float], kept: int) -> None:
         """A verified round: the draft's probabilities of its guesses in order, and how many
         of them the target kept (the first `kept` were; guess `kept`, if any, was not)."""
@@ -142,6 +152,16 @@ class DoubtRules(Drafter):
         if guesses < len(self.path_floors):
             return self.path_floors[guesses]
         return self.path_confidence or 0.0
+
+    def next_guess_doubted(self, path: float, guesses: int) -> bool:
+        """Whether the path rule will end a chain of `guesses` guesses, whose calibrated
+        chance of being kept is `path`, at its next guess whatever the draft gives it (the
+        path times the highest calibrated estimate is under that guess's floor): the chain
+        can end now, without the draft step that would only show it. The same guesses as
+        drafting on: a round's proposal does not change, only its cost."""
+        if not self.path_confidence:
+            return False
+        return path * self.calibration.highest_estimate() < self.path_doubt(guesses)
 
     @property
     def stops_by_confidence(self) -> bool:

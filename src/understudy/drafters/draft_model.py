@@ -258,7 +258,9 @@ class DraftChain:
         if q is not None:
             self.probs.append(q[0])
         self.ids.append(token)
-        return token if i < self.k - 1 else None
+        if i == self.k - 1 or drafter.next_guess_doubted(self.path, i + 1):
+            return None  # complete (without a draft pass whose guess would be doubted)
+        return token
 
     def proposal(self) -> Proposal:
         if not self.ids:

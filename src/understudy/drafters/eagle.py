@@ -189,8 +189,9 @@ class EagleProposer(DoubtRules):
             own_probs.append(own)
             if q is not None:
                 probs.append(q)
-            if i < k - 1:
-                predicted = head.extend(torch.tensor([token]), predicted[None])[0]
+            if i == k - 1 or self.next_guess_doubted(path, i + 1):
+                break  # complete (without a head step whose guess would be doubted)
+            predicted = head.extend(torch.tensor([token]), predicted[None])[0]
         head.truncate(real)
         if self.stops_by_confidence:
             self.record.remember(tokens, ids, own_probs)
