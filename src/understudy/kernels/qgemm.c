@@ -177,7 +177,8 @@ static void unpack_32(int type, const uint8_t *blk, int8_t w[32], uint16_t *d) {
  *   4c + i holds those of values 16u + i, + 4, + 8, + 12 of column c at bits 0, 2, 4, 6.
  * Q8_0, 544 bytes: d[16] (float16); 8 groups of 64 bytes, byte 4c + i = w(c, 4g + i) + 128.
  * Q5_0, 352 bytes: d[16] (float16); 4 pairs of its low 4 bits; 8 groups of 8 bytes of its
- *   fifth bits, bit 4c + i of group g that of value 4g + i of column c. */
+ *   fifth bits, bit 4c + i of group g that of value 4g + i of column c (the AVX2 build
+ *   orders these 64 bytes as its kernel reads them: qgemm_avx2.h's b32_half). */
 
 static void pack_pairs(uint8_t *out, const uint8_t *q, long stride, int values) {
     /* q: column c's values at q + c * stride; low 4 bits of each */
@@ -226,7 +227,11 @@ static void pack_block(int type, const uint8_t *const blk[PANEL], uint8_t *out) 
                 } else {
                     int v = w[e] + 16; /* 0..31 */
                     q[c][e] = (uint8_t)(v & 0xf);
+#if QG_AVX2 /* the fifth bits as qgemm_avx2.h's b32_half reads them */
+                    if (v & 0x10) out[288 + 32 * (c / 8) + 4 * (c % 8) + e % 4] |= (uint8_t)(1u << (e / 4));
+#else
                     if (v & 0x10) out[288 + 8 * (e / 4) + (4 * c + e % 4) / 8] |= (uint8_t)(1u << ((4 * c + e % 4) % 8));
+#endif
                 }
             }
         }

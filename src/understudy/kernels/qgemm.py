@@ -156,9 +156,13 @@ class QuantLinear(nn.Module):
     their own blocks: row-invariant (module docstring). Parts of types outside KERNEL_TYPES
     run dequantized through rowgemm."""
 
-    def __init__(self, parts: list[GGUFTensor], bias: torch.Tensor | None) -> None:
+    def __init__(
+        self, parts: list[GGUFTensor], bias: torch.Tensor | None, lib: ctypes.CDLL | None = None
+    ) -> None:
+        """`lib`: the qgemm build that packs and runs it (default: this CPU's, load()); a
+        build's panel layout is its own."""
         super().__init__()
-        lib = load()
+        lib = lib or load()
         assert lib is not None, "qgemm could not be built"
         self._fn = lib.understudy_qgemm
         self._dequant = lib.understudy_qdequant_rows
