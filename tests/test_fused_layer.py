@@ -42,9 +42,47 @@ def test_taken_where_every_linear_is_of_a_kernel_type(
                                     **OPTIONS)  # fmt: skip
     for model in (engine.target.model, engine.seat.drafter.draft_runner().model):
         assert all(layer.fused is not None for layer in model.layers)
+        assert model.fused_stack is not None
     mixed = write_tiny_qwen2_gguf(tmp_path / "mixed.gguf", seed=5)  # attn_k in float16
     plain = Engine.from_pretrained(method="none", target=str(mixed), **OPTIONS)
     assert all(layer.fused is None for layer in plain.target.model.layers)
+    assert plain.target.model.fused_stack is None
+
+
+def test_all_layers_in_one_call_give_the_per_layer_bits(
+    kernel_pair: tuple[str, str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Passes through FusedStack (every layer in one C call) and through the per-layer calls:
+    bitwise the same hidden states and caches, for a prompt of 6 rows and decode passes of 1,
+    2 and 5 rows; a pass whose rows' keys are not one run (a tree's: row 1 skips its sibling)
+    is declined by the stack and computed by the per-layer path, alike."""
+    model = Engine.from_pretrained(method="none", target=kernel_pair[0], **OPTIONS).target.model
+    stack = model.fused_stack
+    assert stack is not None and model.layers[0].attn.span_rows >= 6
+    taken: list[bool] = []
+    run = stack.run
+    monkeypatch.setattr(stack, "run", lambda *args: taken.append(run(*args)) or taken[-1])
+    tokens = torch.tensor([3, 17, 42, 7, 99, 250, 1, 64, 128, 5, 77, 31, 8, 2, 90])
+    passes = [(0, 6), (6, 7), (7, 9), (9, 14)]  # [start, end) of tokens
+    tree = torch.zeros(2, 16, dtype=torch.bool)  # two siblings at slots 14 and 15
+    tree[:, :14], tree[0, 14], tree[1, 15] = True, True, True
+    results = []
+    for use in (True, False):
+        model.fused_stack = stack if use else None
+        model.k_cache, model.v_cache = [], []
+        model.allocate_cache(16)
+        hidden = []
+        for start, end in passes:
+            positions = torch.arange(start, end)
+            mask = torch.arange(end)[None] <= positions[:, None]  # [R, end] causal
+            hidden.append(model.hidden_states(tokens[start:end], positions, positions, mask))
+        at = torch.tensor([14, 14])
+        hidden.append(model.hidden_states(tokens[13:15], at, torch.tensor([14, 15]), tree))
+        results.append(hidden + [c.clone() for c in model.k_cache + model.v_cache])
+    model.fused_stack = stack
+    assert taken == [True] * len(passes) + [False]
+    for a, b in zip(results[0], results[1], strict=True):
+        assert torch.equal(a, b)
 
 
 def test_computes_what_the_modules_compute(kernel_pair: tuple[str, str]) -> None:

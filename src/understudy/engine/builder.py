@@ -24,7 +24,7 @@ from understudy.drafters.base import Drafter
 from understudy.engine.request import Seat
 from understudy.engine.seats import make_seats
 from understudy.kernels import rowgemm, span_attention
-from understudy.kernels.fused_layer import FusedLayer
+from understudy.kernels.fused_layer import FusedLayer, FusedStack
 from understudy.models.hf_fallback import FallbackLM, refuse_on_fallback
 from understudy.models.loader import LoadedModel, cpu_has_native_bf16, load_model
 from understudy.models.packed import PACK_FROM_ROWS, can_pack, pack_linears
@@ -87,12 +87,18 @@ def use_span_attention(model: Transformer | FallbackLM, rows: int) -> None:
 def use_fused_layers(model: Transformer | FallbackLM) -> None:
     """Run each layer of a model on GGUF blocks through kernels/fused_layer (two C calls a
     layer around its attention) where the layer is of a kind it computes; every pass then
-    takes that path, so no token's bits depend on its pass. $UNDERSTUDY_FUSED_LAYERS=0: off."""
+    takes that path, so no token's bits depend on its pass; where every layer is fused (one
+    rope, no window, no softcap), the passes attended by span_attention alone run all the
+    layers in one call, the same calls in C. $UNDERSTUDY_FUSED_LAYERS=0: off."""
     if isinstance(model, FallbackLM) or os.environ.get("UNDERSTUDY_FUSED_LAYERS", "1") == "0":
         return
     for layer in model.layers:
         if layer.fused is None:
             layer.fused = FusedLayer.of(layer)
+    fused = [layer.fused for layer in model.layers if layer.fused is not None]
+    attn = model.layers[0].attn
+    if len(fused) == len(model.layers) and not model.windowed and attn.softcap is None:
+        model.fused_stack = FusedStack(fused, attn.row_scale)  # every layer in one call
 
 
 def default_verify_rows(dtype: torch.dtype, device: torch.device) -> int:

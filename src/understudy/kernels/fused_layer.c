@@ -5,9 +5,11 @@
    understudy_layer_output:  x += attn W_o^T;  h = rmsnorm(x) * w2;
                              x += (silu(h W_gate^T) * (h W_up^T)) W_down^T
 
-   The attention itself (which keys each row sees) stays in Python (models/attention.py).
-   The products are kernels/qgemm.c's, reached through a pointer the caller hands over
-   (`qgemm`), so this file never needs that one's source.
+   The attention itself (which keys each row sees) stays in Python (models/attention.py),
+   except in understudy_layers: every layer of a pass in one call, for the common pass whose
+   rows all see one run of keys from slot 0, attended by span_attention.c's kernel. The
+   products are kernels/qgemm.c's and the attention span_attention.c's, reached through
+   pointers the caller hands over, so this file never needs their sources.
 
    Invariant: every step is row-wise, each row computed by the same sequence of float
    operations whatever the number of rows, and qgemm is row-invariant: a row's results are
@@ -143,5 +145,50 @@ int understudy_layer_output(const layer_t *L, float *x, const float *attn, long 
     free(normed);
     free(gate_up);
     free(act);
+    return code;
+}
+
+/* span_attention.c's understudy_span_attention */
+typedef int (*span_fn)(const float *q, long q_row_stride, long q_head_stride, const float *k,
+                       const float *v, long kv_row_stride, long kv_head_stride,
+                       long key_stride, int per_row, const unsigned char *mask,
+                       long mask_row_stride, long length, long rows, long heads,
+                       long kv_heads, long dim, float scale, float *out, int threads);
+
+#define NOT_ONE_RUN 4 /* span_attention's answer when a row's visible keys are not one run */
+
+/* Every layer of a pass: x [rows, hidden] in place, as the per-layer calls with
+   span_attention between them would leave it (the same calls in the same order, so the same
+   bits). Layer l's keys and values: k_caches[l], v_caches[l] [Hkv, cache_slots, D]; row r
+   sees keys j with mask[r * length + j] (slots 0 .. length - 1). Why: a one-row pass made
+   ~8 Python steps and 3 ctypes calls a layer, ~60 us of a 0.5B draft layer's ~600.
+   Returns 0; NOT_ONE_RUN, having changed nothing but layer 0's cache slots (which the
+   caller's own path writes again alike), when some row's keys are not one run; or the
+   failing call's code. */
+int understudy_layers(const layer_t *const *layers, long n_layers, span_fn attend, float *x,
+                      long rows, const float *cos_, const float *sin_, const long *slots,
+                      float *const *k_caches, float *const *v_caches, long cache_slots,
+                      const unsigned char *mask, long length, float scale, int threads) {
+    if (n_layers < 1) return 0;
+    const long H = layers[0]->heads, G = layers[0]->kv_heads, D = layers[0]->head_dim;
+    float *q = malloc(sizeof(float) * rows * H * D);
+    float *out = malloc(sizeof(float) * rows * H * D);
+    int code = (q && out) ? 0 : -21;
+    for (long l = 0; code == 0 && l < n_layers; l++) {
+        const layer_t *L = layers[l];
+        if (L->heads != H || L->kv_heads != G || L->head_dim != D) {
+            code = -22;
+            break;
+        }
+        code = understudy_layer_input(L, x, rows, cos_, sin_, slots, k_caches[l], v_caches[l],
+                                      cache_slots, q, threads);
+        if (code == 0)
+            code = attend(q, H * D, D, k_caches[l], v_caches[l], 0, cache_slots * D, D, 0, mask,
+                          length, length, rows, H, G, D, scale, out, threads);
+        if (code == NOT_ONE_RUN && l > 0) code = -23; /* every layer sees the same mask */
+        if (code == 0) code = understudy_layer_output(L, x, out, rows, threads);
+    }
+    free(q);
+    free(out);
     return code;
 }

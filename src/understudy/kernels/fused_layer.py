@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from understudy.kernels import qgemm
+from understudy.kernels import qgemm, span_attention
 from understudy.kernels.build import VECTOR_FLAGS, open_library
 from understudy.models.fetch import cache_dir
 from understudy.models.moe import MLP
@@ -74,6 +74,9 @@ def load() -> ctypes.CDLL | None:
     lib.understudy_layer_input.restype = ctypes.c_int
     lib.understudy_layer_output.argtypes = [ptr, ptr, ptr, long, ctypes.c_int]
     lib.understudy_layer_output.restype = ctypes.c_int
+    lib.understudy_layers.argtypes = [ptr, long, ptr, ptr, long] + [ptr] * 5 + [long, ptr, long]
+    lib.understudy_layers.argtypes += [ctypes.c_float, ctypes.c_int]
+    lib.understudy_layers.restype = ctypes.c_int
     return lib
 
 
@@ -162,3 +165,53 @@ class FusedLayer:
         )  # fmt: skip
         assert code == 0, f"layer output failed ({code})"
         return x
+
+
+NOT_ONE_RUN = span_attention.NOT_ONE_RUN
+
+
+class FusedStack:
+    """Every fused layer of a model in one C call a pass (understudy_layers): the per-layer
+    calls and span_attention between them, in C. Only for a pass whose rows all attend by
+    span_attention to one run of keys each from slot 0 (the caller checks the pass; the
+    call answers False, having changed nothing the caller's own path does not write alike,
+    when some row's keys are not one run). The same calls in the same order: the same bits
+    as the per-layer path."""
+
+    def __init__(self, layers: list[FusedLayer], scale: float) -> None:
+        self.layers = layers  # keeps the LayerArgs alive
+        self.lib = layers[0].lib
+        self.pointers = (ctypes.c_void_p * len(layers))(
+            *[ctypes.addressof(layer.args) for layer in layers]
+        )
+        self.scale = scale
+        attend = span_attention.load()
+        assert attend is not None, "span_attention could not be built"
+        self.attend = ctypes.cast(attend.understudy_span_attention, ctypes.c_void_p).value
+
+    def run(
+        self,
+        x: torch.Tensor,  # [R, hidden] float32 contiguous, in place
+        cos: torch.Tensor,  # [R, D]
+        sin: torch.Tensor,  # [R, D]
+        slots: torch.Tensor,  # [R]
+        k_caches: list[torch.Tensor],  # each [Hkv, S, D]
+        v_caches: list[torch.Tensor],
+        mask: torch.Tensor,  # [R, L] bool: row r sees slot j
+    ) -> bool:
+        """x after every layer; False (x unchanged) when some row's keys are not one run."""
+        assert x.is_contiguous() and x.dtype == torch.float32 and mask.dtype == torch.bool
+        cos, sin, mask = cos.contiguous(), sin.contiguous(), mask.contiguous()
+        slots = slots.to(torch.long).contiguous()
+        n = len(self.layers)
+        keys = (ctypes.c_void_p * n)(*[k.data_ptr() for k in k_caches])
+        values = (ctypes.c_void_p * n)(*[v.data_ptr() for v in v_caches])
+        code = self.lib.understudy_layers(
+            self.pointers, n, self.attend, x.data_ptr(), x.shape[0], cos.data_ptr(),
+            sin.data_ptr(), slots.data_ptr(), keys, values, k_caches[0].shape[1],
+            mask.data_ptr(), mask.shape[1], self.scale, torch.get_num_threads(),
+        )  # fmt: skip
+        if code == NOT_ONE_RUN:
+            return False
+        assert code == 0, f"fused layers failed ({code})"
+        return True

@@ -49,7 +49,7 @@ from understudy.models.rope import RopeScaling, Rotary, exact_positions
 from understudy.models.split_attention import SplitKeys, within_window
 
 if TYPE_CHECKING:
-    from understudy.kernels.fused_layer import FusedLayer
+    from understudy.kernels.fused_layer import FusedLayer, FusedStack
 
 __all__ = ["Block", "RMSNorm", "Transformer", "TransformerConfig", "region_view", "rotate_half"]
 
@@ -168,6 +168,9 @@ class Transformer(nn.Module):
         if cfg.local_rope_theta is not None:
             self.rotaries.append(Rotary(cfg.local_rope_theta, dim, None, positions))
         self.windowed = any(layer.sliding for layer in self.layers)
+        # every layer in one C call a pass where all are fused (kernels/fused_layer.py), set
+        # by the engine builder; hidden_states takes it for the passes it computes
+        self.fused_stack: FusedStack | None = None
 
     # (the final norm's weight, not the embedding's: an embedding from GGUF blocks,
     # kernels/qgemm.py, has no dense weight to ask)
@@ -243,6 +246,19 @@ class Transformer(nn.Module):
                     None if groups is None else groups_within_window(groups, positions, window),
                 )
             )
+        stack_takes_it = (
+            self.fused_stack is not None
+            and key_slots is None
+            and split is None
+            and regions is None
+            and groups is None
+            and tokens.shape[0] <= self.layers[0].attn.span_rows
+        )
+        if stack_takes_it:  # all rows over their one run of keys, by span_attention
+            x = x.contiguous()
+            cos, sin = ropes[0]
+            if self.fused_stack.run(x, cos, sin, slots, self.k_cache, self.v_cache, mask):
+                return self.norm(x)
         for layer, k_cache, v_cache in zip(self.layers, self.k_cache, self.v_cache, strict=True):
             cos, sin = ropes[layer.rope]
             layer_mask, layer_split, layer_groups = views[layer.sliding]
