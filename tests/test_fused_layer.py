@@ -13,7 +13,7 @@ import torch
 
 from gguf_helpers import KERNEL_LAYER_TYPES, write_tiny_qwen2_gguf
 from understudy import Engine, SamplingParams
-from understudy.kernels import fused_layer, qgemm
+from understudy.kernels import fused_layer, qgemm, span_attention
 from understudy.models.runner import Runner
 
 pytestmark = [
@@ -42,13 +42,14 @@ def test_taken_where_every_linear_is_of_a_kernel_type(
                                     **OPTIONS)  # fmt: skip
     for model in (engine.target.model, engine.seat.drafter.draft_runner().model):
         assert all(layer.fused is not None for layer in model.layers)
-        assert model.fused_stack is not None
+        assert (model.fused_stack is not None) == span_attention.available()
     mixed = write_tiny_qwen2_gguf(tmp_path / "mixed.gguf", seed=5)  # attn_k in float16
     plain = Engine.from_pretrained(method="none", target=str(mixed), **OPTIONS)
     assert all(layer.fused is None for layer in plain.target.model.layers)
     assert plain.target.model.fused_stack is None
 
 
+@pytest.mark.skipif(not span_attention.available(), reason="span_attention is off or unbuilt")
 def test_all_layers_in_one_call_give_the_per_layer_bits(
     kernel_pair: tuple[str, str], monkeypatch: pytest.MonkeyPatch
 ) -> None:

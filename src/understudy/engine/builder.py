@@ -97,7 +97,8 @@ def use_fused_layers(model: Transformer | FallbackLM) -> None:
             layer.fused = FusedLayer.of(layer)
     fused = [layer.fused for layer in model.layers if layer.fused is not None]
     attn = model.layers[0].attn
-    if len(fused) == len(model.layers) and not model.windowed and attn.softcap is None:
+    one_call = len(fused) == len(model.layers) and not model.windowed and attn.softcap is None
+    if one_call and span_attention.available():  # the attention it calls between layers
         model.fused_stack = FusedStack(fused, attn.row_scale)  # every layer in one call
 
 
