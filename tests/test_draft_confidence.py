@@ -116,20 +116,21 @@ def test_auto_path_confidence_is_at_least_what_a_guess_costs(tiny_pair, c, v, au
 
 def test_each_guess_pays_for_its_own_row_where_the_pass_curve_is_known(tiny_pair):
     """With a measured pass curve, guess g + 1's threshold is c plus what its row (row g + 2)
-    adds to the pass: small inside the kernel's row group, a whole pass at its edge (so a
-    round stops there); past the curve, the settled c + v. Without automatic K, none."""
+    adds to the pass on the curve's lower convex hull: small inside the kernel's row group,
+    the step at its edge spread over the rows it buys; past the curve, the settled c + v.
+    Without automatic K, none."""
     from understudy.policy.costs import Costs
 
     target, draft = tiny_pair
     drafter = Engine.from_pretrained(target=target, draft=draft, dtype="float32").drafter
     curve = (1.0, 1.02, 1.03, 1.05, 2.0, 2.01)  # t(n rows) / t(1), flat to 4 rows, then a step
     costs = Costs(draft_step=0.25, row=0.2, pass_curve=curve)
-    assert costs.row_steps() == pytest.approx((0.02, 0.01, 0.02, 0.95, 0.01))
+    assert costs.row_steps() == pytest.approx((0.015, 0.015, 0.02, 0.48, 0.48))
     drafter.path_confidence = None
     drafter.use_costs(costs)
     drafter.settle_confidence(True)
     floors = [drafter.path_doubt(g) for g in range(7)]
-    assert floors == pytest.approx([0.27, 0.26, 0.27, 1.0, 0.26, 0.45, 0.45])
+    assert floors == pytest.approx([0.265, 0.265, 0.27, 0.73, 0.73, 0.45, 0.45])
     drafter.path_confidence = None
     drafter.settle_confidence(False)
     assert [drafter.path_doubt(g) for g in range(3)] == [0.0, 0.0, 0.0]
@@ -273,3 +274,23 @@ def test_a_round_the_path_rule_must_end_skips_the_pass_that_would_show_it(tiny_p
     proposals_on, outputs_on, drafting_on = run()
     assert proposals == proposals_on and outputs == outputs_on == plain
     assert skipping < drafting_on, (skipping, drafting_on)
+
+
+@pytest.mark.parametrize("busy_row", [3, 6, 9])
+def test_a_pass_timed_in_a_busy_moment_moves_no_threshold(busy_row):
+    """Row costs come from the pass curve's lower convex hull: nondecreasing, summing to the
+    curve's rise, and a pass that read high (a busy moment on a shared machine) lies above
+    the hull and changes no row's cost. Taken as the curve's differences, that row would
+    cost 0.6 more and the row after it nothing."""
+    from understudy.policy.costs import hull_steps
+
+    curve = tuple(1.0 + 0.25 * n for n in range(12))  # 12 rows, 0.25 of a pass each
+    busy = tuple(t + (0.6 if n == busy_row - 1 else 0.0) for n, t in enumerate(curve))
+    assert hull_steps(busy) == pytest.approx(hull_steps(curve))
+    assert hull_steps(curve) == pytest.approx((0.25,) * 11)
+    measured = (1.0, 1.05, 1.21, 1.38, 1.5, 1.75, 2.59, 2.59, 2.69, 2.94, 3.2, 3.46, 3.99, 4.52)
+    steps = hull_steps(measured)
+    assert all(b >= a for a, b in zip(steps, steps[1:], strict=False))
+    assert sum(steps) == pytest.approx(measured[-1] - 1.0)
+    assert all(s < 0.6 for s in steps)  # the 0.84 jump to 7 rows is spread, not charged
+    assert hull_steps((1.0,)) == () and hull_steps((1.0, 0.9)) == (0.0,)

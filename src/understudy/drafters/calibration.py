@@ -111,7 +111,7 @@ class DoubtRules(Drafter):
     chance than c + v earns less than plain decoding would in its time (use_costs). On a CPU
     where a draft step is half a target pass this ends rounds far earlier than the tuned
     value alone. Where the pass curve was measured, v is each guess's own row (path_doubt):
-    free inside the kernels' row group, a whole pass at its edge."""
+    the slope of the curve's lower convex hull there (policy/costs.py, hull_steps)."""
 
     auto_path_confidence = 0.0
     guess_cost = 0.0  # c + v, measured when the engine is built (use_costs)
@@ -147,8 +147,7 @@ class DoubtRules(Drafter):
     def path_doubt(self, guesses: int) -> float:
         """The calibrated chance of keeping the round below which the guess after `guesses`
         guesses ends it: with the measured pass curve, c plus what that guess's row costs
-        (nothing inside a kernel's row group, about a whole pass at its edge), else the
-        settled draft_path_confidence."""
+        (the curve's hull slope there), else the settled draft_path_confidence."""
         if guesses < len(self.path_floors):
             return self.path_floors[guesses]
         return self.path_confidence or 0.0

@@ -47,10 +47,38 @@ class Costs:
     pass_curve: tuple[float, ...] = ()
 
     def row_steps(self) -> tuple[float, ...]:
-        """What the pass costs more (in 1-row passes) for its (g + 2)-th row, g = 0, 1, ...:
-        the row the (g + 1)-th guess of a round adds."""
-        curve = self.pass_curve
-        return tuple(max(curve[g + 1] - curve[g], 0.0) for g in range(len(curve) - 1))
+        """What the (g + 2)-th row of a pass costs (in 1-row passes), g = 0, 1, ...: the row
+        the (g + 1)-th guess of a round adds, read off the curve's lower convex hull."""
+        return hull_steps(self.pass_curve)
+
+
+def hull_steps(curve: tuple[float, ...]) -> tuple[float, ...]:
+    """The slope of the lower convex hull of the points (n, curve[n - 1]) over each row after
+    the first: nondecreasing, and summing to curve[-1] - 1.
+
+    The path rule (drafters/calibration.py) weighs each guess alone: go on while the chance
+    of keeping the round is above the guess's own cost. Chances fall guess by guess, so where
+    those costs rise row by row (a convex curve) that rule is the best stopping rule there is.
+    The hull gives every curve that shape: a step in the curve followed by cheap rows (a
+    kernel's row group) is spread over them, so a guess is not charged the whole step when
+    the rows after it come nearly free; and a pass timed in a busy moment, which reads above
+    its neighbours, lies above the hull and changes nothing. Taken as they are, the curve's
+    differences carried that noise into every round of the engine's life: on a shared
+    2-core machine, three builds in a row gave the sixth guess a threshold of 0.90, 0.39 and 0.78."""
+    if len(curve) < 2:
+        return ()
+    hull: list[tuple[int, float]] = []
+    for point in enumerate(curve, start=1):
+        while len(hull) >= 2:
+            (x0, y0), (x1, y1) = hull[-2], hull[-1]
+            if (x1 - x0) * (point[1] - y0) - (y1 - y0) * (point[0] - x0) > 0:
+                break  # a left turn: hull[-1] stays on the lower hull
+            hull.pop()
+        hull.append(point)
+    steps: list[float] = []
+    for (x0, y0), (x1, y1) in zip(hull, hull[1:], strict=False):
+        steps += [max((y1 - y0) / (x1 - x0), 0.0)] * (x1 - x0)
+    return tuple(steps)
 
 
 def best_extend_seconds(
