@@ -9,6 +9,7 @@ import pytest
 import typer
 from typer.testing import CliRunner
 
+from understudy.bench.against_llama_cpp import against_llama_cpp, against_markdown, interleaved_tg
 from understudy.bench.engines import parse_methods
 from understudy.bench.prompts import SHIPPED_SETS, load_prompt_file, load_prompts
 from understudy.bench.summary import implied_alpha
@@ -231,3 +232,34 @@ def test_parse_methods():
 @pytest.mark.parametrize("alpha", [0.0, 0.3, 0.8, 0.97])
 def test_implied_alpha_inverts_eq1(alpha):
     assert implied_alpha(expected_tokens_per_round(alpha, 4), 4) == pytest.approx(alpha, abs=1e-6)
+
+
+def _decode_summary(rates: dict[str, float]) -> dict:
+    return {label: {"all": {"decode_tokens_per_s": {"median": v}}} for label, v in rates.items()}
+
+
+def test_against_llama_cpp_takes_its_fastest_plain_and_best():
+    """llama.cpp's plain decoding is the faster of llama-completion and the interleaved
+    llama-bench tg mean; its best the faster of that and its speculative example."""
+    tg = interleaved_tg([{"tokens_per_s": v} for v in (18.0, 20.0, 22.0)])
+    assert tg == {"mean": 20.0, "sd": 2.0, "n": 3}
+    summary = _decode_summary(
+        {"none": 22.0, "draft": 31.0, "llama.cpp-plain": 16.0, "llama.cpp-draft": 12.0}
+    )
+    fig = against_llama_cpp(summary, ["none", "draft"], "llama.cpp-plain", ["llama.cpp-draft"], tg)
+    assert fig["llama_plain"] == {"source": "llama-bench tg", "decode_tokens_per_s": 20.0}
+    assert fig["llama_best"]["source"] == "llama-bench tg"
+    assert fig["ours"]["none"]["over_llama_plain"] == pytest.approx(1.1)
+    assert fig["ours"]["draft"]["over_llama_best"] == pytest.approx(1.55)
+    md = against_markdown(fig, tg)
+    assert "| draft | 31.00 | 1.55× | 1.55× |" in md and "20.00 ± 2.00 tok/s over 3" in md
+
+    # a speculative example faster than both plain measures is the best; without the
+    # llama-bench samples, llama-completion is the plain reference
+    summary = _decode_summary({"draft": 30.0, "llama.cpp-plain": 15.0, "llama.cpp-draft": 24.0})
+    fig = against_llama_cpp(summary, ["draft"], "llama.cpp-plain", ["llama.cpp-draft"], None)
+    assert fig["llama_plain"]["source"] == "llama.cpp-plain"
+    assert fig["llama_best"] == {"source": "llama.cpp-draft", "decode_tokens_per_s": 24.0}
+    assert fig["ours"]["draft"]["over_llama_plain"] == pytest.approx(2.0)
+    assert fig["ours"]["draft"]["over_llama_best"] == pytest.approx(1.25)
+    assert against_llama_cpp(_decode_summary({"draft": 30.0}), ["draft"], None, [], None) is None

@@ -260,6 +260,15 @@ class LlamaCppPeer:
             report, text = parse_speculative_log(done.stderr), generated_text(done.stdout, prompt)
         return LlamaCppRun(label, text, report, prompt_tokens)
 
+    def llama_bench_tg(self, tg: int) -> LlamaBenchRow:
+        """One llama-bench repetition of tg `tg` on the target: the bench runs one after each
+        prompt's methods, so llama.cpp's plain decoding is timed in the same minutes as
+        ours (this machine's speed drifts by tens of percent within minutes)."""
+        cmd = [str(self.programs.bench), "-m", str(self.target), "-p", "0", "-n", str(tg)]
+        cmd += ["-t", str(self.threads), "-r", "1", "-o", "json"]
+        (row,) = parse_llama_bench_json(_run(cmd).stdout)
+        return row
+
     def llama_bench(self, tg: int, pp: int = LLAMA_BENCH_PROMPT_TOKENS) -> list[LlamaBenchRow]:
         """llama-bench pp `pp` and tg `tg` on the target, then on the draft."""
         rows = []

@@ -20,11 +20,13 @@ from typing import Any
 
 import torch
 
+from understudy.bench.against_llama_cpp import against_llama_cpp, against_markdown, interleaved_tg
 from understudy.bench.config import SCHEMA, BenchConfig, environment, loadavg, write_json
 from understudy.bench.engines import BASELINE, ModelPool, assemble_engine, parse_methods
 from understudy.bench.hf_peer import HF_ASSISTED, HF_METHODS, HFPeer
 from understudy.bench.llama_cpp import (
     IDENTITY_REFERENCE,
+    LLAMA_PLAIN,
     LlamaCppPeer,
     find_programs,
     gguf_file,
@@ -212,7 +214,6 @@ class Bench:
             res["plots"] = [p.name for p in paths]
         except ImportError:
             self.console.print("[yellow]matplotlib is not installed: no plots[/yellow]")
-        write_json(out / "results.json", res)
         md = markdown_table(summary, self.labels, self.categories)
         env = res["environment"]
         machine = (
@@ -224,6 +225,15 @@ class Bench:
         )
         if res.get("llama_bench"):
             md += "\n\n" + llama_bench_markdown(res["llama_bench"])
+        if self.llama is not None:
+            tg = interleaved_tg(res["llama_bench_interleaved"])
+            plain = LLAMA_PLAIN if LLAMA_PLAIN in self.llama.methods else None
+            speculative = [m for m in self.llama.methods if m != LLAMA_PLAIN]
+            ours = [s.label for s in self.specs]
+            res["against_llama_cpp"] = against_llama_cpp(summary, ours, plain, speculative, tg)
+            if res["against_llama_cpp"] is not None:
+                md += "\n\n" + against_markdown(res["against_llama_cpp"], tg)
+        write_json(out / "results.json", res)
         (out / "results.md").write_text(
             f"{self._title()}\n\n`{res['command']}`\n\n{md}\n\n{NOTES}\n\nMachine: {machine}.\n",
             encoding="utf-8",
@@ -259,6 +269,7 @@ class Bench:
             "loadavg_start": loadavg(),
             "planned_runs": cfg.repeats * len(self.prompts) * len(self.labels),
             "runs": [],
+            "llama_bench_interleaved": [],
         }
         done = self._resume(out / "results.json") if cfg.resume else set()
         started = time.perf_counter()
@@ -293,6 +304,13 @@ class Bench:
                             }
                         )
                         bar.update(1)
+                        write_json(out / "results.json", res)
+                    if self.llama is not None:
+                        bar.set_description(f"r{rep} {p.id} llama-bench tg")
+                        row = self.llama.llama_bench_tg(cfg.max_tokens)
+                        res["llama_bench_interleaved"].append(
+                            {"prompt_id": p.id, "repeat": rep, "tokens_per_s": row.tokens_per_s}
+                        )
                         write_json(out / "results.json", res)
             if self.llama is not None:
                 with self.console.status("llama-bench on the GGUF files..."):
@@ -332,6 +350,11 @@ class Bench:
             if key[1] in prompt_ids and {r["label"] for r in runs} == set(self.labels)
         }
         self.results["runs"] = [r for key in sorted(done) for r in groups[key]]
+        self.results["llama_bench_interleaved"] = [
+            s
+            for s in old.get("llama_bench_interleaved", [])
+            if (s["repeat"], s["prompt_id"]) in done
+        ]
         self.results["resumed_runs"] = len(self.results["runs"])
         self.console.print(f"resuming: {len(done)} finished prompt(s) kept from {path}")
         return done
