@@ -161,3 +161,32 @@ def test_helpers_write_what_they_say(tmp_path: Path) -> None:
         t.tensor_type.name for t in GGUFReader(write_tiny_qwen2_gguf(tmp_path / "t.gguf")).tensors
     }
     assert {"Q4_K", "Q6_K", "Q8_0", "Q5_0", "F16", "F32"} <= kinds
+
+
+def test_the_kept_layout_maps_the_tensors_gguf_reads(tmp_path: Path) -> None:
+    """read_layout parses a file once and keeps its architecture and tensor table; from the
+    kept table, mapped_tensors gives every tensor's data as gguf's reader does (same type,
+    shape, dtype and bytes), without parsing the file again (a kept table naming another
+    architecture is what a second read returns)."""
+    import json
+
+    import numpy as np
+    from gguf import GGUFReader
+
+    from understudy.models.gguf_weights import LAYOUT_FILE, mapped_tensors, read_layout
+
+    path = write_tiny_qwen2_gguf(tmp_path / "t.gguf")
+    cache = tmp_path / "meta"
+    layout = read_layout(path, cache)
+    assert layout.architecture == "qwen2" and read_layout(path, cache) == layout
+    mapped = mapped_tensors(path, layout)
+    reader = GGUFReader(str(path))
+    assert set(mapped) == {t.name for t in reader.tensors}
+    for t in reader.tensors:
+        m = mapped[t.name]
+        assert m.tensor_type == t.tensor_type and m.shape == tuple(int(d) for d in t.shape)
+        assert m.data.dtype == t.data.dtype and m.data.shape == t.data.shape, t.name
+        assert np.array_equal(m.data.view(np.uint8), t.data.view(np.uint8)), t.name
+    kept = json.loads((cache / LAYOUT_FILE).read_text())
+    (cache / LAYOUT_FILE).write_text(json.dumps({**kept, "architecture": "elsewhere"}))
+    assert read_layout(path, cache).architecture == "elsewhere"

