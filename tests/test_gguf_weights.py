@@ -125,6 +125,38 @@ def test_quantization_is_chosen_and_refused_by_name(
             target=target, draft=draft, quantization="gguf", draft_quantization="int4",
             num_speculative_tokens=2,
         )  # fmt: skip
+    with pytest.raises(UnderstudyError, match="q4_0' requantizes a draft model's GGUF blocks"):
+        Engine.from_pretrained(
+            target=tiny_pair[0], draft=tiny_pair[1], dtype="float32", draft_quantization="q4_0",
+            num_speculative_tokens=2,
+        )  # fmt: skip
+
+
+def test_a_draft_requantized_to_q4_0_keeps_plain_decodings_output(
+    tiny_gguf: tuple[str, str],
+) -> None:
+    """draft_quantization="q4_0" turns the draft's Q5_0 tensors into Q4_0 blocks (and
+    nothing else); only its guesses change: greedy output is plain decoding's, bit for bit."""
+    from gguf import GGMLQuantizationType as T
+
+    from understudy import Engine, SamplingParams
+
+    target, draft = tiny_gguf
+    options = dict(target=target, draft=draft, quantization="gguf", max_context=256)
+    kept = Engine.from_pretrained(method="draft", draft_quantization="none", **options)
+    requantized = Engine.from_pretrained(method="draft", draft_quantization="q4_0", **options)
+
+    def kinds(engine: Engine) -> set[T]:
+        model = engine.drafter.draft_runner().model
+        return {p.kind for m in model.modules() if isinstance(m, QuantLinear) for p in m.parts}
+
+    assert T.Q5_0 in kinds(kept) and T.Q4_0 not in kinds(kept)
+    assert kinds(requantized) == (kinds(kept) - {T.Q5_0}) | {T.Q4_0}
+    plain = Engine.from_pretrained(method="none", target=target, quantization="gguf")
+    params = SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True)
+    prompt = [5, 6, 7, 8, 5, 6, 7, 8, 5, 6]
+    out = requantized.generate(prompt, params)
+    assert out.token_ids == plain.generate(prompt, params).token_ids and out.stats.drafted > 0
 
 
 REAL_DRAFT = "qwen2.5-coder-0.5b"

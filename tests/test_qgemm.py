@@ -18,7 +18,7 @@ from understudy.kernels import qgemm
 pytestmark = pytest.mark.skipif(not qgemm.available(), reason="qgemm cannot be built here")
 
 T = GGMLQuantizationType
-SCALE_OFFSETS = {T.Q4_K: (0, 2), T.Q6_K: (208,), T.Q8_0: (0,), T.Q5_0: (0,)}
+SCALE_OFFSETS = {T.Q4_K: (0, 2), T.Q6_K: (208,), T.Q8_0: (0,), T.Q5_0: (0,), T.Q4_0: (0,)}
 
 
 def random_blocks(kind: GGMLQuantizationType, rows: int, cols: int, seed: int) -> qgemm.GGUFTensor:
@@ -41,7 +41,7 @@ def quantized_activations(x: np.ndarray, block: int) -> np.ndarray:
     return (q * (amax / np.float32(127))).reshape(x.shape).astype(np.float64)
 
 
-CASES = [(T.Q4_K, 256), (T.Q6_K, 256), (T.Q8_0, 32), (T.Q5_0, 32)]
+CASES = [(T.Q4_K, 256), (T.Q6_K, 256), (T.Q8_0, 32), (T.Q5_0, 32), (T.Q4_0, 32)]
 
 
 @pytest.mark.parametrize(("kind", "block"), CASES, ids=[c[0].name for c in CASES])
@@ -74,14 +74,14 @@ def test_product_matches_reference(kind: GGMLQuantizationType, block: int) -> No
 def test_the_largest_quants_against_full_scale_activations_stay_exact(
     kind: GGMLQuantizationType, block: int
 ) -> None:
-    """Every quant at its extreme (Q4_K 15, Q6_K 63, Q5_0 31, Q8_0 -128) against activations
+    """Every quant at its extreme (Q4_K 15, Q6_K 63, Q5_0 31, Q4_0 15, Q8_0 -128) against activations
     of +-127 everywhere: the most any partial integer sum holds (the AVX2 path sums up to 16
     products in int16 before widening). An overflow or a saturation would be far off the
     float64 product."""
     cols, rows = 2 * 256, 16
     weight = random_blocks(kind, rows, cols, seed=6)
     blocks = weight.data.reshape(rows, cols // block, -1)
-    blocks[:, :, 2 if kind == T.Q8_0 else 4 if kind == T.Q5_0 else 0 :] = (
+    blocks[:, :, 2 if kind in (T.Q8_0, T.Q4_0) else 4 if kind == T.Q5_0 else 0 :] = (
         0x80 if kind == T.Q8_0 else 0xFF
     )
     if kind == T.Q4_K:
@@ -109,7 +109,7 @@ def test_weight_rows_are_the_reference_dequantization(
 
 def test_rows_are_bitwise_independent_of_call_size_and_threads() -> None:
     """Every row of a call of 1..40 rows equals that row computed alone, bitwise, with 1 and
-    2 threads; parts of all four kernel types and one dequantized (F16) part."""
+    2 threads; parts of all five kernel types and one dequantized (F16) part."""
     cols = 512
     parts = [random_blocks(k, 24 + 8 * i, cols, seed=10 + i) for i, (k, _) in enumerate(CASES)]
     f16 = np.random.default_rng(9).standard_normal((16, cols)).astype(np.float16)
@@ -270,3 +270,33 @@ def test_parts_in_one_call_have_the_bits_of_each_part_alone() -> None:
     too_many = [linears[0]] * 5
     assert parts_call(lib, too_many, [0] * 5, x[:1], at)[0] == -1
     assert parts_call(lib, linears[:1], [at - 10], x[:1], at)[0] == -1  # past ldy
+
+
+@pytest.mark.parametrize("kind", [T.Q5_0, T.Q8_0], ids=["Q5_0", "Q8_0"])
+def test_requantized_q4_0_is_gguf_reference_quantizer_bitwise(kind: GGMLQuantizationType) -> None:
+    """understudy_requant_q4_0 (draft_quantization="q4_0") gives bitwise the blocks gguf's
+    reference quantizer makes of the values gguf dequantizes: scales of every magnitude
+    (float16 subnormals among them), all-zero blocks, ties of largest magnitude."""
+    from gguf import quantize
+
+    from understudy.models.requantize import requantized
+
+    weight = random_blocks(kind, 48, 512, seed=30)
+    blocks = weight.data.reshape(48, 16, -1)
+    rng = np.random.default_rng(31)
+    scales = (rng.standard_normal((48, 16)) * np.logspace(-7, 1, 16)).astype(np.float16)
+    blocks[:, :, 0:2] = scales.view(np.uint8).reshape(48, 16, 2)
+    blocks[0, :, 2:] = 0 if kind == T.Q8_0 else blocks[0, :, 2:]  # all-zero Q8_0 blocks
+    blocks[1, :, 0:2] = 0  # d = 0: every value zero
+    expected = quantize(dequantize(weight.data, kind).reshape(48, 512), T.Q4_0)
+    lib = qgemm.load()
+    got = np.empty_like(expected)
+    data = weight.data
+    code = lib.understudy_requant_q4_0(
+        int(kind), data.ctypes.data, data.shape[1], 512, 48, got.ctypes.data, 2
+    )
+    assert code == 0 and np.array_equal(got, expected)
+    if kind == T.Q5_0:  # the type draft_quantization="q4_0" requantizes
+        part = requantized(weight, lib)
+        assert part.kind == T.Q4_0 and np.array_equal(part.data, expected)
+    assert requantized(weight, lib).kind == (T.Q4_0 if kind == T.Q5_0 else kind)

@@ -31,6 +31,7 @@ from understudy.engine.builder import (
 from understudy.engine.engine import Engine
 from understudy.models.loader import LoadedModel, load_model
 from understudy.models.registry import DEFAULT_TARGET
+from understudy.models.requantize import SCHEME as REQUANTIZE_SCHEME
 
 BASELINE = "none"
 
@@ -104,6 +105,8 @@ class ModelPool:
         self._drafts: dict[str | None, LoadedModel] = {}
 
     def scheme(self, requested: str | None) -> str | None:
+        if requested == REQUANTIZE_SCHEME:  # the draft's own blocks: load_draft checks it
+            return requested
         # the scheme depends only on the device, which the draft shares with the target
         return resolve_draft_quantization(requested, self.target)
 

@@ -80,7 +80,8 @@ def generate(
     draft_quantization: Annotated[
         str,
         typer.Option(
-            help="auto | none | int8 | int4 | int4-g32 (the draft model or eagle's head)."
+            help="auto | none | int8 | int4 | int4-g32 (the draft model or eagle's head); "
+            "q4_0 (a GGUF draft's Q5_0 tensors as Q4_0)."
         ),
     ] = "auto",
     option: Annotated[

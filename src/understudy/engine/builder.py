@@ -30,6 +30,8 @@ from understudy.models.loader import LoadedModel, cpu_has_native_bf16, load_mode
 from understudy.models.packed import PACK_FROM_ROWS, can_pack, pack_linears
 from understudy.models.quant import SCHEMES, load_or_quantize
 from understudy.models.registry import DEFAULT_DRAFT, DEFAULT_TARGET
+from understudy.models.requantize import SCHEME as REQUANTIZE_SCHEME
+from understudy.models.requantize import requantize_linears
 from understudy.models.runner import Runner
 from understudy.models.transformer import Transformer
 from understudy.policy.batch_plan import BatchCosts, measure_batch_costs
@@ -127,6 +129,7 @@ def prepare_target_kernels(model: Transformer | FallbackLM, rows: int) -> None:
 
 
 DEFAULT_CPU_DRAFT_QUANTIZATION = "int4-g32"  # measured fastest on this CPU: docs/quantized-draft.md
+AUTO_BLOCKS_SCHEME = REQUANTIZE_SCHEME  # "auto" for a draft running from its GGUF blocks
 
 
 def resolve_draft_quantization(
@@ -135,9 +138,16 @@ def resolve_draft_quantization(
     """ "auto" -> int4 (group 32) on a CPU, none on CUDA (torch's packed kernels are CPU ones).
     `draft`: the model whose device decides (the draft, or the target it shares one with).
     `draft_model`: `draft` is the draft model itself; running from its GGUF blocks
-    (quantization="gguf") it is quantized already: "auto" is then none, a scheme refused."""
+    (quantization="gguf") it is quantized already: "auto" is then AUTO_BLOCKS_SCHEME (its
+    Q5_0 tensors requantized to Q4_0, models/requantize.py), a dense scheme refused."""
     if value in (None, "none"):
         return None
+    if value == REQUANTIZE_SCHEME and not (draft_model and draft.from_blocks):
+        raise UnderstudyError(
+            f"draft_quantization={REQUANTIZE_SCHEME!r} requantizes a draft model's GGUF blocks, "
+            f"but {draft.name!r} does not run from them (a GGUF draft with quantization "
+            "auto or gguf)"
+        )
     if draft_model and isinstance(draft.model, FallbackLM):
         if value == "auto":
             return None
@@ -148,16 +158,19 @@ def resolve_draft_quantization(
         )
     if draft_model and draft.from_blocks:
         if value == "auto":
-            return None
+            return AUTO_BLOCKS_SCHEME
+        if value == REQUANTIZE_SCHEME:
+            return value
         raise UnderstudyError(
             f"draft_quantization={value!r} re-quantizes dense weights, but the draft runs "
-            "from its GGUF blocks (quantization='gguf'): use auto or none"
+            f"from its GGUF blocks (quantization='gguf'): use auto, none or {REQUANTIZE_SCHEME}"
         )
     if value == "auto":
         return DEFAULT_CPU_DRAFT_QUANTIZATION if draft.model.device.type == "cpu" else None
     if value not in SCHEMES:
         raise UnderstudyError(
-            f"draft_quantization must be auto, none or one of {', '.join(SCHEMES)}; got {value!r}"
+            f"draft_quantization must be auto, none, {REQUANTIZE_SCHEME} or one of "
+            f"{', '.join(SCHEMES)}; got {value!r}"
         )
     return value
 
@@ -250,10 +263,12 @@ def load_draft(
     """Load a draft model, refuse it unless its tokens mean the target's, quantize it."""
     draft = load_model(spec, dtype, device, quantization)
     check_compatible(target, draft)
+    scheme = resolve_draft_quantization(scheme_request, draft, draft_model=True)
+    if scheme == REQUANTIZE_SCHEME:  # before the fused layers take the linears' weights
+        requantize_linears(draft.model)
     use_span_attention(draft.model, ROW_INVARIANT_ROWS)  # its chain steps and catch-ups
     use_fused_layers(draft.model)
-    scheme = resolve_draft_quantization(scheme_request, draft, draft_model=True)
-    if scheme is not None:
+    if scheme not in (None, REQUANTIZE_SCHEME):
         load_or_quantize(draft.model, None, scheme)
     return draft
 
@@ -348,7 +363,10 @@ def assemble(models: LoadedModels, spec: EngineSpec, draft: str | None = None) -
         refuse_on_fallback(target, models.draft, drafter_cls.wants_hidden)
         drafter = drafter_cls.from_models(target, models.draft, spec.max_context, **options)
         refuse_on_fallback(target, models.draft, False, drafter.tree)
-        scheme = resolve_draft_quantization(spec.draft_quantization, target)
+        request = spec.draft_quantization
+        if request == REQUANTIZE_SCHEME and models.draft is not None:
+            request = None  # the draft model's, applied at its load (load_draft)
+        scheme = resolve_draft_quantization(request, target)
         if scheme is not None:
             drafter.quantize(scheme)  # a network of the drafter's own (eagle's head)
         if spec.k == "auto" or drafter.tree == "auto" or drafter.plans_length:

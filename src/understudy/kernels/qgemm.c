@@ -10,7 +10,7 @@
  * speed, for 1 row as for several.
  *
  * How: each row of x is quantized on its own to int8, one float scale per block of the
- * weight's block size (256 for the k-quants Q4_K and Q6_K, 32 for Q8_0 and Q5_0), with the
+ * weight's block size (256 for the k-quants Q4_K and Q6_K, 32 for Q8_0, Q5_0 and Q4_0), with the
  * sums of each 16 quantized values (the offsets and mins need them). A block's
  * contribution to y[m, n] is an exact integer (its 4-bit x 8-bit products summed in int32,
  * times the integer sub-block scales) converted to float once and multiplied by the float
@@ -52,6 +52,7 @@
 #endif
 
 /* ggml's type ids */
+#define T_Q4_0 2
 #define T_Q5_0 6
 #define T_Q8_0 8
 #define T_Q4_K 12
@@ -96,6 +97,7 @@ static long block_bytes(int type) {
     case T_Q6_K: return 210;
     case T_Q8_0: return 34;
     case T_Q5_0: return 22;
+    case T_Q4_0: return 18;
     default: return 0;
     }
 }
@@ -107,6 +109,7 @@ static long panel_bytes(int type) {
     case T_Q6_K: return 3360;
     case T_Q8_0: return 544;
     case T_Q5_0: return 352;
+    case T_Q4_0: return 288;
     default: return 0;
     }
 }
@@ -149,11 +152,16 @@ static void unpack_q6_k(const uint8_t *blk, uint8_t q[256], int8_t sc[16], uint1
         }
 }
 
-/* Q8_0 and Q5_0: value e = d * w[e], w signed (Q5_0: its 5-bit q - 16) */
+/* Q8_0, Q5_0 and Q4_0: value e = d * w[e], w signed (Q5_0: its 5-bit q - 16; Q4_0: its
+ * 4-bit q - 8) */
 static void unpack_32(int type, const uint8_t *blk, int8_t w[32], uint16_t *d) {
     *d = read_u16(blk);
     if (type == T_Q8_0) {
         memcpy(w, blk + 2, 32);
+        return;
+    }
+    if (type == T_Q4_0) {
+        for (int i = 0; i < 32; ++i) w[i] = (int8_t)((i < 16 ? (blk[2 + i] & 0xf) : (blk[2 + i - 16] >> 4)) - 8);
         return;
     }
     uint32_t qh = (uint32_t)blk[2] | ((uint32_t)blk[3] << 8) | ((uint32_t)blk[4] << 16) |
@@ -178,7 +186,8 @@ static void unpack_32(int type, const uint8_t *blk, int8_t w[32], uint16_t *d) {
  * Q8_0, 544 bytes: d[16] (float16); 8 groups of 64 bytes, byte 4c + i = w(c, 4g + i) + 128.
  * Q5_0, 352 bytes: d[16] (float16); 4 pairs of its low 4 bits; 8 groups of 8 bytes of its
  *   fifth bits, bit 4c + i of group g that of value 4g + i of column c (the AVX2 build
- *   orders these 64 bytes as its kernel reads them: qgemm_avx2.h's b32_half). */
+ *   orders these 64 bytes as its kernel reads them: qgemm_avx2.h's b32_half).
+ * Q4_0, 288 bytes: d[16] (float16); 4 pairs of its 4-bit q. */
 
 static void pack_pairs(uint8_t *out, const uint8_t *q, long stride, int values) {
     /* q: column c's values at q + c * stride; low 4 bits of each */
@@ -224,6 +233,8 @@ static void pack_block(int type, const uint8_t *const blk[PANEL], uint8_t *out) 
             for (int e = 0; e < 32; ++e) {
                 if (type == T_Q8_0) {
                     out[32 + 64 * (e / 4) + 4 * c + e % 4] = (uint8_t)(w[e] + 128);
+                } else if (type == T_Q4_0) {
+                    q[c][e] = (uint8_t)(w[e] + 8); /* 0..15 */
                 } else {
                     int v = w[e] + 16; /* 0..31 */
                     q[c][e] = (uint8_t)(v & 0xf);
@@ -238,7 +249,7 @@ static void pack_block(int type, const uint8_t *const blk[PANEL], uint8_t *out) 
     }
     if (type == T_Q4_K) pack_pairs(out + 320, &q[0][0], 256, 256);
     if (type == T_Q6_K) pack_pairs(out + 288, &q[0][0], 256, 256);
-    if (type == T_Q5_0) pack_pairs(out + 32, &q[0][0], 256, 32);
+    if (type == T_Q5_0 || type == T_Q4_0) pack_pairs(out + 32, &q[0][0], 256, 32);
 }
 
 /* Bytes of W [N, K] of `type` packed (0: a type or K it does not take). */
@@ -361,11 +372,11 @@ QG_UNUSED_IN_SIMD static void panel_row(int type, const uint8_t *pk, const acts_
                         const uint8_t *pair = blk + 32 + 64 * (e / 8);
                         v = e % 8 >= 4 ? pair[4 * c + e % 4] >> 4 : pair[4 * c + e % 4] & 0xf;
                         int bit = 4 * c + e % 4;
-                        v |= ((blk[288 + 8 * (e / 4) + bit / 8] >> (bit % 8)) & 1) << 4;
+                        if (type == T_Q5_0) v |= ((blk[288 + 8 * (e / 4) + bit / 8] >> (bit % 8)) & 1) << 4;
                     }
                     isum[c] += v * ab[e];
                 }
-            const int32_t offset = (q8 ? 128 : 16) * (int32_t)s32[b];
+            const int32_t offset = (q8 ? 128 : type == T_Q5_0 ? 16 : 8) * (int32_t)s32[b];
             for (int c = 0; c < PANEL; ++c) {
                 float sd = s[b] * half_to_float(read_u16(blk + 2 * c));
                 f[c] = fmaf((float)(isum[c] - offset), sd, f[c]);
@@ -544,3 +555,68 @@ int understudy_qdequant_rows(int type, const uint8_t *w, long row_bytes, const l
 
 /* 0: portable C, 1: AVX2, 2: AVX-512 with VNNI */
 int understudy_qgemm_simd(void) { return QG_AVX512 ? 2 : QG_AVX2; }
+
+/* float -> float16, rounding to nearest even (as numpy's astype(float16) does): subnormal
+ * halves and overflow to infinity included */
+static uint16_t float_to_half(float f) {
+    uint32_t x;
+    memcpy(&x, &f, 4);
+    const uint32_t sign = (x >> 16) & 0x8000, exp = (x >> 23) & 0xff, man = x & 0x7fffff;
+    if (exp == 0xff) return (uint16_t)(sign | 0x7c00 | (man ? 0x200 : 0));
+    const int e = (int)exp - 127 + 15; /* the half's biased exponent */
+    if (e >= 31) return (uint16_t)(sign | 0x7c00);
+    uint32_t half, rest, mid;
+    if (e <= 0) { /* a subnormal half (or zero): the 24-bit mantissa shifted into its 10 bits */
+        if (e < -10) return (uint16_t)sign;
+        const int shift = 14 - e;
+        const uint32_t full = man | 0x800000;
+        half = full >> shift;
+        rest = full & ((1u << shift) - 1);
+        mid = 1u << (shift - 1);
+    } else {
+        half = ((uint32_t)e << 10) | (man >> 13);
+        rest = man & 0x1fff;
+        mid = 0x1000;
+    }
+    if (rest > mid || (rest == mid && (half & 1))) ++half; /* a carry into the exponent is right */
+    return (uint16_t)(sign | half);
+}
+
+/* W [N, K] of `type` (a 32-value block type: Q5_0, Q8_0) requantized to Q4_0 blocks in out
+ * [N, K / 32 * 18], bitwise what gguf's reference quantizer (gguf.quants) makes of the
+ * values gguf dequantizes: per block, d = the value of largest magnitude (the first such)
+ * / -8, q = trunc(x / d + 8.5) in float32, at most 15, d stored as float16. Rows on OpenMP
+ * threads. Returns 0, or -1 for a type or K it does not take. */
+int understudy_requant_q4_0(int type, const uint8_t *w, long row_bytes, long K, long N,
+                            uint8_t *out, int threads) {
+    if (block_size(type) != 32 || block_bytes(type) == 0 || type == T_Q4_0 || K % 32 != 0)
+        return -1;
+    const long nb = K / 32, bbytes = block_bytes(type);
+#pragma omp parallel for schedule(static) num_threads(threads > 0 ? threads : 1)
+    for (long n = 0; n < N; ++n)
+        for (long b = 0; b < nb; ++b) {
+            int8_t w8[32];
+            uint16_t dh;
+            unpack_32(type, w + n * row_bytes + b * bbytes, w8, &dh);
+            const float fd = half_to_float(dh);
+            float x[32];
+            for (int i = 0; i < 32; ++i) x[i] = fd * (float)w8[i];
+            float amax = fabsf(x[0]), max = x[0]; /* the first of the largest, as argmax */
+            for (int i = 1; i < 32; ++i) {
+                if (fabsf(x[i]) > amax) {
+                    amax = fabsf(x[i]);
+                    max = x[i];
+                }
+            }
+            const float d = max / -8.0f, id = d != 0.0f ? 1.0f / d : 0.0f;
+            uint8_t *o = out + (n * nb + b) * 18, q[32];
+            for (int i = 0; i < 32; ++i) {
+                const float v = x[i] * id + 8.5f;
+                q[i] = (uint8_t)(v >= 15.0f ? 15 : (int)v);
+            }
+            const uint16_t dq = float_to_half(d);
+            memcpy(o, &dq, 2);
+            for (int i = 0; i < 16; ++i) o[2 + i] = (uint8_t)(q[i] | (q[i + 16] << 4));
+        }
+    return 0;
+}

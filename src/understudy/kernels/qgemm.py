@@ -8,7 +8,7 @@ row's output is bitwise the same whatever the number of rows in the call and how
 columns are split across threads: verification of K+1 rows agrees bitwise with plain
 decoding's 1-row passes, with no padding (as kernels/rowgemm.py does for float32).
 
-Kernel types: Q4_K, Q6_K (256 values a block), Q8_0 and Q5_0 (32). A tensor of another type
+Kernel types: Q4_K, Q6_K (256 values a block), Q8_0, Q5_0 and Q4_0 (32). A tensor of another type
 is dequantized to float32 once, at load, and runs through rowgemm (also row-invariant).
 Each kernel tensor is repacked once, at load, into the kernel's panels of 16 columns (`pack`,
 about the file's bytes); the GGUF rows stay mapped for `weight_rows`, their pages released.
@@ -41,6 +41,7 @@ KERNEL_TYPES = frozenset(
         GGMLQuantizationType.Q6_K,
         GGMLQuantizationType.Q8_0,
         GGMLQuantizationType.Q5_0,
+        GGMLQuantizationType.Q4_0,
     }
 )
 
@@ -63,6 +64,8 @@ def bind(path: Path) -> ctypes.CDLL | None:
     lib.understudy_qpack.restype = ctypes.c_int
     lib.understudy_qdequant_rows.argtypes = [ctypes.c_int, ptr, long, ptr, long, long, ptr]
     lib.understudy_qdequant_rows.restype = ctypes.c_int
+    lib.understudy_requant_q4_0.argtypes = [ctypes.c_int, ptr, long, long, long, ptr, ctypes.c_int]
+    lib.understudy_requant_q4_0.restype = ctypes.c_int
     return lib
 
 

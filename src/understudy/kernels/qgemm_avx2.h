@@ -184,18 +184,26 @@ AI2 void q6_k_half(const uint8_t *pk, const uint8_t *next, long nb, long b, cons
     }
 }
 
-/* Q8_0 and Q5_0, half h: 32-value blocks. Q8_0: sum of w a directly (|w| and a's sign: see
- * the header); Q5_0: sum of q a less 16 sum a, q 0..31 */
-AI2 void b32_half(const int q8, const uint8_t *pk, const uint8_t *next, long nb, long b,
+/* Q8_0, Q5_0 and Q4_0, half h: 32-value blocks. Q8_0: sum of w a directly (|w| and a's
+ * sign: see the header); Q5_0: sum of q a less 16 sum a, q 0..31; Q4_0: less 8 sum a, q
+ * 0..15 */
+AI2 void b32_half(const int type, const uint8_t *pk, const uint8_t *next, long nb, long b,
                   const acts_t *A, long m0, const int R, int h, __m256 *f) {
     const __m256i low = _mm256_set1_epi8(0xf), flip = _mm256_set1_epi8((char)0x80);
-    const long pb = q8 ? 544 : 352;
+    const int q8 = type == T_Q8_0;
+    const long pb = panel_bytes(type);
     const uint8_t *blk = pk + b * pb;
     fetch_next(next, pb, h * nb + b);
     __m256i w[8];
     if (q8) {
         for (int g = 0; g < 8; ++g)
             w[g] = _mm256_xor_si256(_mm256_loadu_si256((const __m256i *)(blk + 32 + 64 * g + 32 * h)), flip);
+    } else if (type == T_Q4_0) {
+        for (int t = 0; t < 4; ++t) {
+            __m256i v = _mm256_loadu_si256((const __m256i *)(blk + 32 + 64 * t + 32 * h));
+            w[2 * t] = _mm256_and_si256(v, low);
+            w[2 * t + 1] = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
+        }
     } else {
         /* byte 4c + i of hb: at bit 2t + s the fifth bit of value 8t + 4s + i of column
          * 8h + c. A 16-bit shift by 4 - k (left) or k - 4 (right) brings bit k of every byte
@@ -220,7 +228,7 @@ AI2 void b32_half(const int q8, const uint8_t *pk, const uint8_t *next, long nb,
             for (int g = 0; g < 8; ++g)
                 t = _mm256_add_epi32(t, dot4_avx2(_mm256_abs_epi8(w[g]), _mm256_sign_epi8(four2(a + 4 * g), w[g])));
         } else {
-            const int32_t offset = 16 * (int32_t)A->s32[(m0 + r) * (A->K / 32) + b];
+            const int32_t offset = (type == T_Q5_0 ? 16 : 8) * (int32_t)A->s32[(m0 + r) * (A->K / 32) + b];
             const __m256i ones = _mm256_set1_epi16(1);
             t = _mm256_add_epi32(_mm256_madd_epi16(sum16(w, a, 4), ones),
                                  _mm256_madd_epi16(sum16(w + 4, a + 16, 4), ones));
@@ -241,7 +249,7 @@ AI2 void block_half(int type, const uint8_t *pk, const uint8_t *next, const acts
     else if (type == T_Q6_K)
         q6_k_half(pk, next, A->nb, b, A, m0, R, h, f);
     else
-        b32_half(type == T_Q8_0, pk, next, A->nb, b, A, m0, R, h, f);
+        b32_half(type, pk, next, A->nb, b, A, m0, R, h, f);
 }
 
 AI2 void store_half(const __m256 *f, const int R, int h, const float *bias, float *y, long ldy,

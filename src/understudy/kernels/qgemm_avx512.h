@@ -160,18 +160,25 @@ AI void q6_k_rows(const uint8_t *pk, long nb, const acts_t *A, long m0, const in
     }
 }
 
-/* Q8_0 (values stored + 128) and Q5_0 (q, 0..31): 32-value blocks, the offset times the
- * rows' sums per block taken off the integer sum */
-AI void b32_rows(const int q8, const uint8_t *pk, long nb, const acts_t *A, long m0,
+/* Q8_0 (values stored + 128), Q5_0 (q, 0..31) and Q4_0 (q, 0..15): 32-value blocks, the
+ * offset times the rows' sums per block taken off the integer sum */
+AI void b32_rows(const int type, const uint8_t *pk, long nb, const acts_t *A, long m0,
                  const int R, __m512 *f) {
     const __m512i low = _mm512_set1_epi8(0xf), fifth = _mm512_set1_epi8(0x10);
-    const long pb = q8 ? 544 : 352;
+    const int q8 = type == T_Q8_0;
+    const long pb = panel_bytes(type);
     for (long b = 0; b < nb; ++b) {
         const uint8_t *blk = pk + b * pb;
         fetch_block(blk, pb);
         __m512i w[8];
         if (q8) {
             for (int g = 0; g < 8; ++g) w[g] = _mm512_loadu_si512((const void *)(blk + 32 + 64 * g));
+        } else if (type == T_Q4_0) {
+            for (int t = 0; t < 4; ++t) {
+                __m512i v = _mm512_loadu_si512((const void *)(blk + 32 + 64 * t));
+                w[2 * t] = _mm512_and_si512(v, low);
+                w[2 * t + 1] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
+            }
         } else {
             for (int t = 0; t < 4; ++t) {
                 __m512i v = _mm512_loadu_si512((const void *)(blk + 32 + 64 * t));
@@ -188,7 +195,7 @@ AI void b32_rows(const int q8, const uint8_t *pk, long nb, const acts_t *A, long
         for (int r = 0; r < R; ++r) {
             const int8_t *a = A->q + (m0 + r) * A->K + 32 * b;
             __m512i sum = dot(w, a, 8);
-            const int32_t offset = (q8 ? 128 : 16) * (int32_t)A->s32[(m0 + r) * (A->K / 32) + b];
+            const int32_t offset = (q8 ? 128 : type == T_Q5_0 ? 16 : 8) * (int32_t)A->s32[(m0 + r) * (A->K / 32) + b];
             __m512i t = _mm512_sub_epi32(sum, _mm512_set1_epi32(offset));
             __m512 s = _mm512_set1_ps(A->s[(m0 + r) * nb + b]);
             f[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(t), _mm512_mul_ps(s, d), f[r]);
@@ -206,7 +213,7 @@ AI void group_rows(int type, const uint8_t *pk, const acts_t *A, long m0, const 
     else if (type == T_Q6_K)
         q6_k_rows(pk, A->nb, A, m0, R, f);
     else
-        b32_rows(type == T_Q8_0, pk, A->nb, A, m0, R, f);
+        b32_rows(type, pk, A->nb, A, m0, R, f);
     const __mmask16 keep = (__mmask16)((1u << cols) - 1);
     const __m512 add = bias ? _mm512_maskz_loadu_ps(keep, bias) : _mm512_setzero_ps();
     for (int r = 0; r < R; ++r) {
