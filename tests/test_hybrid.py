@@ -75,6 +75,24 @@ def test_plan_prices_rows():
     assert 0 < n_model < free_rows[1]
 
 
+def test_plan_prices_rows_by_the_measured_pass_curve():
+    """Where the pass curve was measured, a plan checking n guesses costs T(n) = curve[n],
+    not 1 + n v: rows cheap within a kernel's row group and dear beyond it (one slope v,
+    the curve's at the whole budget, prices the first rows as dearly as the last)."""
+    a = AdaptiveK.PRIOR_ACCEPT
+    curve = tuple(1.0 + 0.04 * n for n in range(8)) + tuple(2.0 + 0.3 * n for n in range(8))
+    proposer = HybridProposer(None, None, 0.05)
+    proposer.row_cost = (curve[-1] - 1.0) / 15  # the one slope, as costs.row has it
+    linear = proposer.plan(15, 0, 0)
+    proposer.pass_curve = curve
+    assert (
+        proposer.pass_cost(3) == curve[3] and proposer.pass_cost(20) == 1.0 + 20 * proposer.row_cost
+    )
+    rates = [sum(a**i for i in range(k + 1)) / (k * 0.05 + curve[k]) for k in range(16)]
+    assert proposer.plan(15, 0, 0) == (0, max(range(16), key=rates.__getitem__))
+    assert proposer.plan(15, 0, 0)[1] > linear[1]
+
+
 def test_plan_learns_from_verdicts():
     proposer = HybridProposer(None, None, 0.3)
     assert proposer.plan(2, 2, 8) == (2, 0)

@@ -6,9 +6,10 @@ these plans runs (all deterministic given the text and the rounds so far):
 - model: the draft model guesses K tokens (K * c of a target pass, c = draft/target cost);
 - mixed: g_1..g_j, then the draft model extends them by K tokens (a short match extended);
 - none:  a plain target pass.
-The plan maximises expected tokens per unit of cost, E / (1 + K * c + (j + K) * v)
-(Leviathan et al. 2023, Thm 3.8, plus v: the target's extra cost per extra row of an unpadded
-pass, set by the engine; 0 with padded passes; c measured at build, then followed from the
+The plan maximises expected tokens per unit of cost, E / (K * c + T(j + K)) (Leviathan et
+al. 2023, Thm 3.8, with T(n) the cost of a target pass checking n guesses: the engine's
+measured pass curve on unpadded passes, else 1 + n * v, v = 0 with padded passes; c measured
+at build, then followed from the
 rounds' own wall times, LiveCostRatio), with E = 1 + sum_i P(guesses 1..i all accepted) from
 running acceptance estimates:
 one per match-length bucket for free guesses, one per position for model guesses (the
@@ -177,6 +178,7 @@ class HybridProposer(Drafter):
         # among the CATCH_UP_ROUNDS model rounds it serves
         self.catch_up_ratio = float(catch_up_ratio)
         self.row_cost = 0.0  # v, measured by the builder (use_costs)
+        self.pass_curve: tuple[float, ...] = ()  # t(n rows) / t(1), where measured
         self.plans = {"free": 0, "model": 0, "mixed": 0, "none": 0}  # rounds, all requests
         self._reset_estimates()
         self._last: tuple[int, list[int], int, int, int] | None = None  # the round's plan
@@ -194,6 +196,7 @@ class HybridProposer(Drafter):
             self.live_cost = LiveCostRatio(costs.draft_step)
             self.catch_up_ratio = costs.catch_up
         self.row_cost = costs.row
+        self.pass_curve = costs.pass_curve
         self.model.use_costs(costs)  # the floor of its rounds' doubt (calibration.DoubtRules)
 
     def _reset_estimates(self) -> None:
@@ -202,6 +205,14 @@ class HybridProposer(Drafter):
         # P(model guess i accepted | the guesses before it were): only its estimates are used
         self.model_estimate = AdaptiveK(MAX_MODEL_GUESSES, self.cost_ratio, self.row_cost)
         self.plain_rounds = 0
+
+    def pass_cost(self, guesses: int) -> float:
+        """A target pass checking `guesses` guesses, in 1-row passes: the measured pass curve,
+        else 1 + guesses v. One slope is the curve's at the whole row budget, and where a
+        kernel's second row group costs more than its first (the AVX2 kernels: groups of 8)
+        it overcharged the short plans most rounds take."""
+        curve = self.pass_curve
+        return curve[guesses] if guesses < len(curve) else 1.0 + guesses * self.row_cost
 
     def _model_accept(self, i: int) -> float:
         """P(model guess i accepted | the guesses before it were)."""
@@ -225,7 +236,7 @@ class HybridProposer(Drafter):
                 free_reach *= alpha
                 free_gain += free_reach
             for n_model in range(k - j + 1):
-                cost = 1.0 + n_model * c + (j + n_model) * self.row_cost
+                cost = n_model * c + self.pass_cost(j + n_model)
                 if n_model:
                     cost += unseen * self.catch_up_ratio / CATCH_UP_ROUNDS
                 rate = (1.0 + free_gain + free_reach * model_gain[n_model]) / cost
