@@ -294,3 +294,29 @@ def test_a_pass_timed_in_a_busy_moment_moves_no_threshold(busy_row):
     assert sum(steps) == pytest.approx(measured[-1] - 1.0)
     assert all(s < 0.6 for s in steps)  # the 0.84 jump to 7 rows is spread, not charged
     assert hull_steps((1.0,)) == () and hull_steps((1.0, 0.9)) == (0.0,)
+
+
+def test_a_busy_spell_while_the_curve_is_timed_slows_no_row_count(tiny_pair, monkeypatch):
+    """pass_curve times each row count once a sweep, over several sweeps, best over best: a
+    spell of slow passes (another tenant's burst on a shared machine) as long as a sweep
+    slows one timing of each count, and the curve reads as without it. Timed count after
+    count instead, the spell would take every timing of a few counts (ratios of ~50 here)."""
+    import time as time_module
+
+    from understudy.policy import costs
+
+    target, draft = tiny_pair
+    runner = Engine.from_pretrained(target=target, draft=draft, dtype="float32").runner
+    quiet = costs.pass_curve(runner)
+    extend, calls = runner.extend, []
+
+    def busy_extend(tokens, *args, **kwargs):
+        calls.append(len(calls))
+        if 20 <= len(calls) < 20 + 2 * (len(costs.curve_rows(runner.rows)) - 1):
+            time_module.sleep(0.05)  # a sweep's worth of passes, ~50x a tiny pass
+        return extend(tokens, *args, **kwargs)
+
+    monkeypatch.setattr(runner, "extend", busy_extend)
+    busy = costs.pass_curve(runner)
+    assert len(busy) == len(quiet) == runner.rows
+    assert max(busy) < 5.0, busy  # the spell's timings are never a count's best

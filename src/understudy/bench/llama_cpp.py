@@ -4,7 +4,9 @@ llama.cpp is not a dependency. The bench runs three of its programs, which the u
 from llama.cpp's sources (`BUILD_HINT`), found by `find_programs`:
 
 - `llama-bench`: llama.cpp's standard figures for plain decoding of each model: pp N (prompt
-  tokens a second) and tg N (generated tokens a second), with the bench's thread count.
+  tokens a second) and tg N (generated tokens a second), with the bench's thread count; and
+  one tg repetition on the target after each prompt's methods, so that llama.cpp's plain
+  decoding is also timed in the minutes ours is (bench/against_llama_cpp.py).
 - `llama-completion`: one greedy generation per prompt, plain decoding, one target pass a
   token, timed by its perf lines (model loading excluded): the reference ("llama.cpp-plain")
   that the speculative runs must equal.

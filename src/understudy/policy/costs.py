@@ -13,7 +13,7 @@ seeded sampling stays reproducible.
 Timings use a typical request's key window (MEASURE_SPAN slots), not the engine's whole
 max_context: attention over thousands of empty slots would inflate the target's pass. Each
 figure is the best of a few repeats after a warm-up, so a busy machine disturbs it less, and
-the pass curve's ratios are of passes timed in turns (paired_ratio).
+the pass curve's passes are timed in sweeps over its row counts (pass_curve).
 """
 
 from __future__ import annotations
@@ -33,6 +33,7 @@ if TYPE_CHECKING:
 MEASURE_SPAN = 480  # key slots of a typical request (prompt + budget)
 CONTEXT = 32  # tokens of the dummy context the passes are timed after
 EVERY_ROW_UPTO = 8  # pass_curve times each row count up to this, then every fourth
+CURVE_SWEEPS = 4  # pass_curve's timings of each row count, one a sweep
 
 
 @dataclass(frozen=True)
@@ -113,43 +114,37 @@ def curve_rows(rows: int) -> list[int]:
     return [n for n in range(1, rows + 1) if n <= EVERY_ROW_UPTO or n % 4 == 0 or n == rows]
 
 
-def paired_ratio(
-    runner: Runner, context: torch.Tensor, tokens: torch.Tensor, repeats: int
-) -> float:
-    """t(pass scoring `tokens`) / t(one-row pass) after `context` (already prefilled): the
-    two passes timed in turns, `repeats` times each after a warm-up of both, best over best.
-    Timed in turns, a machine that slows down or speeds up between figures (another tenant's
-    load) moves both alike, where a ratio to a one-row time taken earlier would move."""
-    passes = (context[:1], tokens)
-    for passed in passes:  # warm-up
-        runner.extend(passed)
-        runner.truncate(context.shape[0])
-    best = [float("inf"), float("inf")]  # one row, tokens
-    for _ in range(repeats):
-        for i, passed in enumerate(passes):
-            t0 = time.perf_counter()
-            runner.extend(passed)
-            best[i] = min(best[i], time.perf_counter() - t0)
-            runner.truncate(context.shape[0])
-    return best[1] / best[0]
+def pass_curve(runner: Runner, sweeps: int = CURVE_SWEEPS) -> tuple[float, ...]:
+    """t(n) / t(1) for unpadded passes of n = 1 .. the runner's row budget rows: timed at
+    curve_rows, linear between them, and never below the pass of fewer rows (a timing that
+    dips under its neighbour is noise, and would read as a step at the next row); () without
+    a budget of 2 rows or more. Timing every count would cost the engine's build ~50 target
+    passes more on a CPU whose rows are not flat.
 
-
-def pass_curve(runner: Runner, repeats: int = 2) -> tuple[float, ...]:
-    """t(n) / t(1) for unpadded passes of n = 1 .. the runner's row budget rows: timed
-    (paired_ratio) at curve_rows, linear between them, and never below the pass of fewer
-    rows (a timing that dips under its neighbour is noise, and would read as a step at the
-    next row); () without a budget of 2 rows or more. Timing every count would cost the
-    engine's build ~50 target passes more on a CPU whose rows are not flat."""
+    Each count is timed once a sweep, after a one-row pass, over `sweeps` sweeps; its figure
+    is its best over the one-row pass's best. A busy spell of a shared machine lasts seconds:
+    timed repeat after repeat, one count's timings all fell in one (four curves measured in a
+    row read a 2-row pass at 1.38, 1.24, 1.09 and 1.22 one-row passes); spread over sweeps,
+    it slows one sweep of every count. The curve decides whether a round drafts at all
+    (policy/adaptive_k.py)."""
     rows = runner.rows
     if rows is None or rows < 2:
         return ()
     device = runner.model.device
     context = torch.arange(1, CONTEXT + 1, device=device)
     runner.prefill(context, span=MEASURE_SPAN)
-    timed = {1: 1.0}
-    for n in curve_rows(rows)[1:]:
-        timed[n] = paired_ratio(runner, context, torch.arange(40, 40 + n, device=device), repeats)
+    counts = curve_rows(rows)
+    best = dict.fromkeys(counts, float("inf"))
+    for sweep in range(sweeps + 1):  # the first a warm-up
+        for n in counts[1:]:
+            for m in (1, n):
+                t0 = time.perf_counter()
+                runner.extend(torch.arange(40, 40 + m, device=device))
+                if sweep:
+                    best[m] = min(best[m], time.perf_counter() - t0)
+                runner.truncate(context.shape[0])
     runner.truncate(0)
+    timed = {n: best[n] / best[1] for n in counts}
     known = sorted(timed)
     curve = [1.0]
     for n in range(2, rows + 1):
