@@ -119,10 +119,8 @@ class Engine:
     ) -> Engine:
         """Load the models and build a ready engine (engine/builder.py). `drafter_options`
         go to the drafter's `from_models` (e.g. prompt_lookup_max for method="ngram").
-        `draft_quantization`: "auto" (int4-g32 on a CPU, none on CUDA; for a draft running
-        from its GGUF blocks, builder.AUTO_BLOCKS_SCHEME), None, a scheme of models/quant.py
-        for the draft model or eagle's head, or "q4_0" for a GGUF draft (its Q5_0 tensors as
-        Q4_0, models/requantize.py); none of them can change the output.
+        `draft_quantization`: "auto", None, a scheme of models/quant.py or "q4_0" for a GGUF
+        draft (builder.resolve_draft_quantization); none of them can change the output.
         `quantization`: "auto" (a GGUF runs from its own blocks on a CPU), "gguf" or "none"
         (dense, in `dtype`). `max_num_seqs`: sequences decoded together (engine/batch.py)."""
         from understudy.engine.builder import EngineSpec, assemble, load_models
