@@ -145,8 +145,8 @@ def resolve_draft_quantization(
     if value == REQUANTIZE_SCHEME and not (draft_model and draft.from_blocks):
         raise UnderstudyError(
             f"draft_quantization={REQUANTIZE_SCHEME!r} requantizes a draft model's GGUF blocks, "
-            f"but {draft.name!r} does not run from them (a GGUF draft with quantization "
-            "auto or gguf)"
+            f"for a .gguf draft run from them (quantization auto or gguf); {draft.name!r} is "
+            "not one"
         )
     if draft_model and isinstance(draft.model, FallbackLM):
         if value == "auto":
