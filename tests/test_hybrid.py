@@ -130,6 +130,9 @@ class StubModel(Drafter):
     def begin(self, prompt_ids):
         pass
 
+    def catch_up(self, tokens):
+        self.fed = list(tokens[:-1])
+
     def propose(self, tokens, k, params, generator):
         self.seen.append(list(tokens))
         q = torch.softmax(torch.arange(k * self.vocab, dtype=torch.float32).view(k, -1), -1)
@@ -214,6 +217,55 @@ def test_hybrid_learns_c_only_when_it_measured_it():
     live = learning.live_cost
     assert live.seconds_per_guess is not None and live.seconds_per_pass is not None
     assert live.weight == 1.0
+
+
+class FakeClock:
+    """time.perf_counter for hybrid's live cost: advanced by hand."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+class SlowStubModel(StubModel):
+    """A catch-up of 5 s per unseen token and 0.1 s a guess, on the fake clock."""
+
+    def __init__(self, vocab: int, clock: FakeClock) -> None:
+        super().__init__(vocab)
+        self.clock = clock
+
+    def catch_up(self, tokens):
+        self.clock.now += 5.0 * max(len(tokens) - 1 - len(self.fed), 0)
+        super().catch_up(tokens)
+
+    def propose(self, tokens, k, params, generator):
+        self.clock.now += 0.1 * k
+        return super().propose(tokens, k, params, generator)
+
+
+def test_live_cost_times_guesses_apart_from_the_catch_up_and_per_one_row_pass(monkeypatch):
+    """c is seconds per guess over seconds per ONE-ROW target pass. The draft's catch-up on
+    tokens it has not seen is priced apart (catch_up_ratio) and not timed as guessing, and a
+    verification pass of n guesses counts as the pass curve's t(n + 1) one-row passes.
+    Mutations: timing the catch-up with the guesses (a 20-token prompt's catch-up made the
+    first round's c ~30 times the measured one) or a whole pass as one row fail here."""
+    clock = FakeClock()
+    monkeypatch.setattr(hybrid_module.time, "perf_counter", clock)
+    model = SlowStubModel(6, clock)
+    proposer = HybridProposer(StubFree([4, 5], 16), model, 0.3, learn_cost=True)
+    proposer.pass_curve = (1.0, 1.5, 2.0, 2.5)
+    proposer.plan = lambda k, free_len, match_len, unseen=0: (0, 3)
+    prompt = list(range(1, 21))
+    proposal = proposer.propose(prompt, 3, SamplingParams(temperature=0.0), torch.Generator())
+    assert proposal.size == 3 and clock.now == pytest.approx(5.0 * 19 + 0.3)
+    clock.now += 2.5 * 0.4  # the pass checking 3 guesses: t(4) = 2.5 one-row passes of 0.4 s
+    proposer.commit([*prompt, 0, 1, 9])
+    live = proposer.live_cost
+    assert live.seconds_per_guess == pytest.approx(0.1)
+    assert live.seconds_per_pass == pytest.approx(0.4)
+    assert live.value == pytest.approx((2 * 0.3 + 1 * 0.25) / 3)
 
 
 def test_commit_learns_the_verdict():

@@ -164,6 +164,16 @@ class DraftModelProposer(DoubtRules):
         probs = q if q is not None else torch.softmax(logits.float(), dim=-1)  # [1, V]
         return float(probs[0, token[0]])
 
+    def catch_up(self, tokens: list[int]) -> None:
+        """Feed the draft every token of `tokens` it has not seen but the last, which the
+        next `propose(tokens, ...)` feeds with its logits: method="hybrid" prices this
+        catch-up apart from the guesses, so it times the two apart."""
+        self.runner.truncate(min(self.runner.length, len(tokens) - 1))
+        unseen = tokens[self.runner.length : -1]
+        if unseen:
+            self.runner.extend(torch.tensor(unseen, device=self.runner.model.device), True)
+        self.fed = tokens[: self.runner.length]
+
     def _catch_up(self, tokens: list[int]) -> torch.Tensor:
         """Feed the tokens the draft has not seen; return its logits after tokens[-1] [1, V].
         At least tokens[-1] is fed again: a round's last token may equal a guess the draft

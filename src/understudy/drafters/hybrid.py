@@ -74,9 +74,14 @@ def bucket(match_len: int) -> int:
 
 
 class LiveCostRatio:
-    """c = (seconds per draft-model guess) / (seconds per target pass), from the rounds' own
-    wall times: the model's time inside propose() per guess it made, and the target's time
-    between propose() returning and the next commit() (the engine's verification pass).
+    """c = (seconds per draft-model guess) / (seconds per one-row target pass), from the
+    rounds' own wall times: the model's time drafting per guess it made (its catch-up on
+    tokens it has not seen is priced apart, catch_up_ratio, and timed apart), and the
+    target's time between propose() returning and the next commit() (the engine's
+    verification pass) over that pass's cost in one-row passes (the pass curve). Timed with
+    the guesses, the catch-up on a prompt makes the first model round's c several times the
+    measured one; the plans then turn to free guesses and plain passes, each probe of the
+    model catches up on every token since the last, and the estimate never recovers.
 
     The build-time measurement (one step of each model after 32 tokens) underrates c in use:
     the draft attends over the whole request and catches up on corrected tokens, and on a
@@ -269,6 +274,7 @@ class HybridProposer(Drafter):
             context = tokens + guesses[:j] if j else tokens
             if self.model.stops_by_confidence:  # as method="draft": until doubt
                 n_model = k - j
+            self.model.catch_up(context)  # priced apart (catch_up_ratio): not timed
             started = time.perf_counter()
             extended = self.model.propose(context, n_model, params, generator)
             if self.live_cost is not None:
@@ -285,7 +291,9 @@ class HybridProposer(Drafter):
 
     def commit(self, tokens: list[int]) -> None:
         if self.live_cost is not None and self._proposed_at is not None:
-            self.live_cost.observe_pass(time.perf_counter() - self._proposed_at)
+            guesses = 0 if self._last is None else len(self._last[1])
+            seconds = time.perf_counter() - self._proposed_at
+            self.live_cost.observe_pass(seconds / self.pass_cost(guesses))  # a one-row pass's
         self._proposed_at = None
         if self._last is not None:
             self._observe(tokens, *self._last)
