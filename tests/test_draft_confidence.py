@@ -320,3 +320,31 @@ def test_a_busy_spell_while_the_curve_is_timed_slows_no_row_count(tiny_pair, mon
     busy = costs.pass_curve(runner)
     assert len(busy) == len(quiet) == runner.rows
     assert max(busy) < 5.0, busy  # the spell's timings are never a count's best
+
+
+def test_a_busy_spell_while_c_is_timed_slows_neither_of_its_figures(tiny_pair, monkeypatch):
+    """c is a drafting step over a one-row target pass, each the best of sweeps that time
+    one of each in turn: a spell of slow passes over the first sweeps leaves later sweeps'
+    passes to be the best. Timed five in a row (as before sweeps), one spell took
+    every timing of one figure (c read 0.26-0.47 over builds of the default pair)."""
+    import time as time_module
+
+    from understudy.policy import costs
+
+    target, draft = tiny_pair
+    engine = Engine.from_pretrained(target=target, draft=draft, dtype="float32")
+    runner, drafter = engine.runner, engine.drafter
+    quiet_pass, quiet_step = costs.one_row_and_step_seconds(runner, drafter)
+    extend, calls = runner.extend, []
+
+    def busy_extend(tokens, *args, **kwargs):
+        calls.append(len(calls))
+        if len(calls) <= 7:  # passes of 3.5 sweeps (a warm-up and a timing each); timed
+            time_module.sleep(0.05)  # in a row, a warm-up and all 6 timings
+        return extend(tokens, *args, **kwargs)
+
+    monkeypatch.setattr(runner, "extend", busy_extend)
+    busy_pass, busy_step = costs.one_row_and_step_seconds(runner, drafter)
+    assert busy_pass < 0.05 and quiet_pass < 0.05, (busy_pass, quiet_pass)
+    assert len(calls) == 2 * costs.STEP_SWEEPS
+    assert busy_step > 0.0 and quiet_step > 0.0

@@ -12,8 +12,10 @@ seeded sampling stays reproducible.
 
 Timings use a typical request's key window (MEASURE_SPAN slots), not the engine's whole
 max_context: attention over thousands of empty slots would inflate the target's pass. Each
-figure is the best of a few repeats after a warm-up, so a busy machine disturbs it less, and
-the pass curve's passes are timed in sweeps over its row counts (pass_curve).
+figure is the best of a few timings after a warm-up, so a busy machine disturbs it less, and
+they are taken in sweeps (a one-row pass and a drafting step in turn; the pass curve's row
+counts in turn), so a busy spell of a few seconds slows one sweep, not every timing of one
+figure.
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ MEASURE_SPAN = 480  # key slots of a typical request (prompt + budget)
 CONTEXT = 32  # tokens of the dummy context the passes are timed after
 EVERY_ROW_UPTO = 8  # pass_curve times each row count up to this, then every fourth
 CURVE_SWEEPS = 4  # pass_curve's timings of each row count, one a sweep
+STEP_SWEEPS = 6  # timings of a one-row pass and of a drafting step, one of each a sweep
 
 
 @dataclass(frozen=True)
@@ -97,15 +100,6 @@ def best_extend_seconds(
         times.append(time.perf_counter() - t0)
         runner.truncate(context.shape[0])
     return min(times)
-
-
-def one_row_seconds(runner: Runner, repeats: int) -> float:
-    """A one-token target pass after a CONTEXT-token prefix: the unit every cost is in."""
-    context = torch.arange(1, CONTEXT + 1, device=runner.model.device)
-    runner.prefill(context, span=MEASURE_SPAN)
-    seconds = best_extend_seconds(runner, context, context[:1], repeats)
-    runner.truncate(0)
-    return seconds
 
 
 def curve_rows(rows: int) -> list[int]:
@@ -195,14 +189,28 @@ def catch_up_seconds(runner: Runner) -> float:
     return seconds
 
 
-def measure_costs(
-    target: Runner, drafter: Drafter, unpadded: bool, trees: bool, repeats: int = 5
-) -> Costs:
+def one_row_and_step_seconds(
+    target: Runner, drafter: Drafter, sweeps: int = STEP_SWEEPS
+) -> tuple[float, float]:
+    """(a one-row target pass, one drafting step), each the best of `sweeps` sweeps that
+    time one of each in turn: c is their ratio, and timed five times in a row, each, a busy
+    spell of the shared machine took every timing of one of them (c read 0.26-0.47 over
+    builds of the same pair, where sweeps read 0.24-0.27)."""
+    context = torch.arange(1, CONTEXT + 1, device=target.model.device)
+    passes, steps = [], []
+    for _ in range(sweeps):
+        target.prefill(context, span=MEASURE_SPAN)
+        passes.append(best_extend_seconds(target, context, context[:1], 1))
+        target.truncate(0)
+        steps.append(drafter.step_seconds(1))
+    return min(passes), min(steps)
+
+
+def measure_costs(target: Runner, drafter: Drafter, unpadded: bool, trees: bool) -> Costs:
     """All the costs of `drafter` against the target's `runner`: v and the pass curve only
     on unpadded passes (padded ones cost the same whatever their real rows), v_tree only
     where trees may be chosen (tree="auto"), c clamped to [0.01, 1] (0 for a free drafter)."""
-    one_row = one_row_seconds(target, repeats)
-    step = drafter.step_seconds(repeats)
+    one_row, step = one_row_and_step_seconds(target, drafter)
     draft = drafter.draft_runner()
     curve = pass_curve(target) if unpadded else ()
     return Costs(
