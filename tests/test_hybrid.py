@@ -219,6 +219,25 @@ def test_hybrid_learns_c_only_when_it_measured_it():
     assert live.weight == 1.0
 
 
+def test_c_is_followed_only_where_the_pass_curve_was_not_measured():
+    """On padded passes the build's one-step timing underrates c, and the rounds' wall times
+    correct it; where the pass curve was measured (unpadded passes, timed in sweeps) c stays
+    the build's, so a slow round on a busy machine cannot turn the plans from the model for
+    the rest of a request."""
+    from understudy.policy.costs import Costs
+
+    padded = HybridProposer(StubFree([4, 5], 16), StubModel(6), 0.0, learn_cost=True)
+    padded.use_costs(Costs(draft_step=0.2, row=0.0))
+    assert padded.live_cost is not None and padded.live_cost.value == 0.2
+    measured = HybridProposer(StubFree([4, 5], 16), StubModel(6), 0.0, learn_cost=True)
+    measured.use_costs(Costs(draft_step=0.3, row=0.1, pass_curve=(1.0, 1.1, 1.3)))
+    assert measured.live_cost is None and measured.cost_ratio == 0.3
+    measured.plan = lambda k, free_len, match_len, unseen=0: (0, 1)
+    measured.propose([9, 9], 2, SamplingParams(), torch.Generator())
+    measured.commit([9, 9, 0, 7])
+    assert measured.cost_ratio == 0.3
+
+
 class FakeClock:
     """time.perf_counter for hybrid's live cost: advanced by hand."""
 
@@ -248,19 +267,19 @@ class SlowStubModel(StubModel):
 def test_live_cost_times_guesses_apart_from_the_catch_up_and_per_one_row_pass(monkeypatch):
     """c is seconds per guess over seconds per ONE-ROW target pass. The draft's catch-up on
     tokens it has not seen is priced apart (catch_up_ratio) and not timed as guessing, and a
-    verification pass of n guesses counts as the pass curve's t(n + 1) one-row passes.
+    verification pass of n guesses counts as the passes it costs (pass_cost).
     Mutations: timing the catch-up with the guesses (a 20-token prompt's catch-up made the
     first round's c ~30 times the measured one) or a whole pass as one row fail here."""
     clock = FakeClock()
     monkeypatch.setattr(hybrid_module.time, "perf_counter", clock)
     model = SlowStubModel(6, clock)
     proposer = HybridProposer(StubFree([4, 5], 16), model, 0.3, learn_cost=True)
-    proposer.pass_curve = (1.0, 1.5, 2.0, 2.5)
+    proposer.row_cost = 0.5  # a pass checking n guesses: 1 + 0.5 n one-row passes
     proposer.plan = lambda k, free_len, match_len, unseen=0: (0, 3)
     prompt = list(range(1, 21))
     proposal = proposer.propose(prompt, 3, SamplingParams(temperature=0.0), torch.Generator())
     assert proposal.size == 3 and clock.now == pytest.approx(5.0 * 19 + 0.3)
-    clock.now += 2.5 * 0.4  # the pass checking 3 guesses: t(4) = 2.5 one-row passes of 0.4 s
+    clock.now += 2.5 * 0.4  # the pass checking 3 guesses: 2.5 one-row passes of 0.4 s
     proposer.commit([*prompt, 0, 1, 9])
     live = proposer.live_cost
     assert live.seconds_per_guess == pytest.approx(0.1)

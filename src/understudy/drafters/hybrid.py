@@ -195,10 +195,17 @@ class HybridProposer(Drafter):
         return self.model.runner
 
     def use_costs(self, costs: Costs) -> None:
-        """c (unless hybrid_cost_ratio fixed it), the catch-up cost and v, as measured."""
+        """c (unless hybrid_cost_ratio fixed it), the catch-up cost and v, as measured. c is
+        followed from the rounds' wall times (LiveCostRatio) only on padded passes, where the
+        build's one-step timing underrates it; where the pass curve was measured (unpadded
+        passes, timed in sweeps), c stays the build's, as the draft method's floors do. One
+        slow round (the machine busy, the threads asleep after idling) weighs a third of the
+        estimate, and plans that then leave the model out leave it out for the rest of the
+        request: on a shared 2-core machine one bench run's hybrid made 1.39 tokens a pass on
+        a prompt where the same code made 6.00 in a run of its own."""
         if self.live_cost is not None:
             self.cost_ratio = costs.draft_step
-            self.live_cost = LiveCostRatio(costs.draft_step)
+            self.live_cost = None if costs.pass_curve else LiveCostRatio(costs.draft_step)
             self.catch_up_ratio = costs.catch_up
         self.row_cost = costs.row
         self.pass_curve = costs.pass_curve
