@@ -65,6 +65,26 @@ def test_the_draft_scores_only_its_ids(tiny_gguf: tuple[str, str], limited: Engi
     assert torch.equal(logits[:, :LIMIT], full(hidden)[:, :LIMIT])
 
 
+def test_a_greedy_guess_reads_only_the_drafts_ids(limited: Engine, monkeypatch) -> None:
+    """Greedy, the chain takes its guess and the guess's probability from the first LIMIT
+    logits only (the rest are -inf): the same guess and probability as from all of them."""
+    from understudy.drafters.draft_model import DraftChain
+
+    drafter = limited.drafter
+    assert drafter.vocab_rows == LIMIT
+    monkeypatch.setattr(drafter, "path_confidence", 0.01)  # the chain computes its probability
+    logits = torch.full((1, TINY["vocab"]), float("-inf"))
+    logits[0, :LIMIT] = torch.randn(LIMIT, generator=torch.Generator().manual_seed(3))
+    logits[0, LIMIT - 1] = logits.max() + 1.0  # the guess: the last id the draft scores
+    guesses = []
+    for rows in (LIMIT, None):
+        monkeypatch.setattr(drafter, "vocab_rows", rows)
+        chain = DraftChain(drafter, [1, 2], 3, SamplingParams(temperature=0.0), torch.Generator())
+        guesses.append((int(chain.take(logits)), chain.own[0]))
+    assert guesses[0][0] == guesses[1][0] == LIMIT - 1
+    assert guesses[0][1] == pytest.approx(guesses[1][1], rel=1e-6)
+
+
 def test_greedy_output_is_plain_decoding(tiny_gguf: tuple[str, str], limited: Engine) -> None:
     target, _ = tiny_gguf
     plain = Engine.from_pretrained(target=target, method="none", quantization="gguf")

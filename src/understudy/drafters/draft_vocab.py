@@ -70,3 +70,10 @@ def restrict_draft_vocab(draft: LoadedModel, value: object) -> int | None:
         return None
     model.lm_head = DraftVocabHead(head, value)
     return value
+
+
+def vocab_rows(model: nn.Module) -> int | None:
+    """How many first ids a draft model guesses from (its logits past them are -inf): its
+    DraftVocabHead's rows, None when its head scores every id."""
+    head = model.lm_head if isinstance(model, Transformer) else None
+    return head.rows if isinstance(head, DraftVocabHead) else None
