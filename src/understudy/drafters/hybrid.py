@@ -198,11 +198,10 @@ class HybridProposer(Drafter):
         """c (unless hybrid_cost_ratio fixed it), the catch-up cost and v, as measured. c is
         followed from the rounds' wall times (LiveCostRatio) only on padded passes, where the
         build's one-step timing underrates it; where the pass curve was measured (unpadded
-        passes, timed in sweeps), c stays the build's, as the draft method's floors do. One
+        passes, timed in sweeps), c stays the build's, as the draft method's floors do: one
         slow round (the machine busy, the threads asleep after idling) weighs a third of the
-        estimate, and plans that then leave the model out leave it out for the rest of the
-        request: on a shared 2-core machine one bench run's hybrid made 1.39 tokens a pass on
-        a prompt where the same code made 6.00 in a run of its own."""
+        live estimate, and plans that then leave the model out price it ever higher, since
+        each round it sits out adds to the catch-up it must make."""
         if self.live_cost is not None:
             self.cost_ratio = costs.draft_step
             self.live_cost = None if costs.pass_curve else LiveCostRatio(costs.draft_step)
