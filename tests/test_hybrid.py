@@ -287,6 +287,25 @@ def test_live_cost_times_guesses_apart_from_the_catch_up_and_per_one_row_pass(mo
     assert live.value == pytest.approx((2 * 0.3 + 1 * 0.25) / 3)
 
 
+def test_the_draft_reads_the_prompt_when_the_request_begins():
+    """The draft catches up on the prompt with the prefill, so the first plan prices no
+    catch-up of it (only the prompt's last token and the first one generated)."""
+    model = StubModel(6)
+    proposer = HybridProposer(StubFree([4, 5], 16), model, 0.1)
+    unseen_seen = []
+
+    def plan(k, free_len, match_len, unseen=0):
+        unseen_seen.append(unseen)
+        return (0, 0)
+
+    proposer.plan = plan
+    prompt = list(range(1, 41))
+    proposer.begin(prompt)
+    assert model.fed == prompt[:-1]
+    proposer.propose([*prompt, 7], 4, SamplingParams(), torch.Generator())
+    assert unseen_seen == [2]
+
+
 def test_commit_learns_the_verdict():
     proposer = HybridProposer(StubFree([4, 5], 16), StubModel(6), 0.1)
     proposer.plan = lambda k, free_len, match_len, unseen=0: (2, 0)

@@ -256,9 +256,14 @@ class HybridProposer(Drafter):
         return best
 
     def begin(self, prompt_ids: list[int]) -> None:
+        """Start a request. The draft reads the prompt now, with the target's prefill (as
+        the draft method's first round does): charged to the plans instead, a long prompt's
+        catch-up priced the model out of the request's first rounds, and every free or plain
+        round after them added to it."""
         self._proposed_at = None  # c's live estimate carries over between requests
         self.free.begin(prompt_ids)
         self.model.begin(prompt_ids)
+        self.model.catch_up(prompt_ids)  # all but its last token, which the first round feeds
         self._reset_estimates()
         self._last = None
 
