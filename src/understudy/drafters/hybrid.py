@@ -78,7 +78,7 @@ class LiveCostRatio:
     rounds' own wall times: the model's time drafting per guess it made (its catch-up on
     tokens it has not seen is priced apart, catch_up_ratio, and timed apart), and the
     target's time between propose() returning and the next commit() (the engine's
-    verification pass) over that pass's cost in one-row passes (the pass curve). Timed with
+    verification pass) over that pass's cost in one-row passes (pass_cost). Timed with
     the guesses, the catch-up on a prompt makes the first model round's c several times the
     measured one; the plans then turn to free guesses and plain passes, each probe of the
     model catches up on every token since the last, and the estimate never recovers.

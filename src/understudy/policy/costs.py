@@ -193,9 +193,9 @@ def one_row_and_step_seconds(
     target: Runner, drafter: Drafter, sweeps: int = STEP_SWEEPS
 ) -> tuple[float, float]:
     """(a one-row target pass, one drafting step), each the best of `sweeps` sweeps that
-    time one of each in turn: c is their ratio, and timed five times in a row, each, a busy
-    spell of the shared machine took every timing of one of them (c read 0.26-0.47 over
-    builds of the same pair, where sweeps read 0.24-0.27)."""
+    time one of each in turn: c is their ratio. Timed repeat after repeat, a busy spell of a
+    shared machine (it lasts seconds) takes every timing of one figure, and c with it; in
+    sweeps it slows one timing of each."""
     context = torch.arange(1, CONTEXT + 1, device=target.model.device)
     passes, steps = [], []
     for _ in range(sweeps):
