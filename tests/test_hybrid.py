@@ -287,9 +287,9 @@ def test_live_cost_times_guesses_apart_from_the_catch_up_and_per_one_row_pass(mo
     assert live.value == pytest.approx((2 * 0.3 + 1 * 0.25) / 3)
 
 
-def test_the_draft_reads_the_prompt_when_the_request_begins():
-    """The draft catches up on the prompt with the prefill, so the first plan prices no
-    catch-up of it (only the prompt's last token and the first one generated)."""
+def test_the_plans_do_not_price_the_prompts_catch_up():
+    """The model's first round reads the prompt whatever the plans, so they price only the
+    generated tokens the draft has not seen: one at the first round, not the prompt's 40."""
     model = StubModel(6)
     proposer = HybridProposer(StubFree([4, 5], 16), model, 0.1)
     unseen_seen = []
@@ -301,9 +301,11 @@ def test_the_draft_reads_the_prompt_when_the_request_begins():
     proposer.plan = plan
     prompt = list(range(1, 41))
     proposer.begin(prompt)
-    assert model.fed == prompt[:-1]
+    assert model.fed == []  # the prompt is read in the first model round, not at begin
     proposer.propose([*prompt, 7], 4, SamplingParams(), torch.Generator())
-    assert unseen_seen == [2]
+    proposer.commit([*prompt, 7, 8])
+    proposer.propose([*prompt, 7, 8], 4, SamplingParams(), torch.Generator())
+    assert unseen_seen == [1, 2]
 
 
 def test_commit_learns_the_verdict():

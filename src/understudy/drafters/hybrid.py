@@ -187,6 +187,7 @@ class HybridProposer(Drafter):
         self.plans = {"free": 0, "model": 0, "mixed": 0, "none": 0}  # rounds, all requests
         self._reset_estimates()
         self._last: tuple[int, list[int], int, int, int] | None = None  # the round's plan
+        self.prompt_length = 0  # the request's (begin)
 
     def settle_confidence(self, automatic_k: bool) -> None:
         self.model.settle_confidence(automatic_k)  # the draft model's rounds may stop early
@@ -256,14 +257,10 @@ class HybridProposer(Drafter):
         return best
 
     def begin(self, prompt_ids: list[int]) -> None:
-        """Start a request. The draft reads the prompt now, with the target's prefill (as
-        the draft method's first round does): charged to the plans instead, a long prompt's
-        catch-up priced the model out of the request's first rounds, and every free or plain
-        round after them added to it."""
         self._proposed_at = None  # c's live estimate carries over between requests
         self.free.begin(prompt_ids)
         self.model.begin(prompt_ids)
-        self.model.catch_up(prompt_ids)  # all but its last token, which the first round feeds
+        self.prompt_length = len(prompt_ids)
         self._reset_estimates()
         self._last = None
 
@@ -271,7 +268,11 @@ class HybridProposer(Drafter):
         self, tokens: list[int], k: int, params: SamplingParams, generator: torch.Generator
     ) -> Proposal:
         guesses, match_len = self.free.draft(tokens, k)
-        unseen = len(tokens) - len(self.model.fed)
+        # the prompt is read by the model's first round whatever the plans (as the draft
+        # method's is), so the plans price only the generated tokens the draft has not seen:
+        # priced, a long prompt's catch-up kept the model out of the first rounds, and every
+        # free or plain round after them added to it
+        unseen = len(tokens) - max(len(self.model.fed), self.prompt_length)
         j, n_model = self.plan(min(k, MAX_MODEL_GUESSES), len(guesses), match_len, unseen)
         self.plain_rounds = self.plain_rounds + 1 if j == n_model == 0 else 0
         if self.plain_rounds >= PROBE_EVERY and k > 0:
