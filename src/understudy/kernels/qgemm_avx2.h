@@ -81,6 +81,17 @@ AI2 void fetch_next(const uint8_t *next, long pb, long visit) {
     for (long o = 0; o < pb / 2; o += 64) _mm_prefetch((const char *)(from + o), _MM_HINT_T1);
 }
 
+/* fetch_next's lines for a visit in `parts` pieces, piece `part`, asked for between a
+ * k-quant block's sub-blocks: requests in one burst at the block's start stalled it until
+ * the memory took them; spread out, they wait beside the products */
+AI2 void fetch_next_part(const uint8_t *next, long pb, long visit, int part, int parts) {
+    if (next == NULL) return;
+    const uint8_t *from = next + visit * (pb / 2);
+    const long lines = (pb / 2 + 63) / 64;
+    for (long i = part * lines / parts; i < (part + 1) * lines / parts; ++i)
+        _mm_prefetch((const char *)(from + 64 * i), _MM_HINT_T1);
+}
+
 /* 8 dwords: each the sum of 4 products of unsigned w bytes and signed a bytes, exact */
 AI2 __m256i dot4_avx2(__m256i w, __m256i a) {
     return _mm256_madd_epi16(_mm256_maddubs_epi16(w, a), _mm256_set1_epi16(1));
@@ -96,6 +107,39 @@ AI2 __m256i sum16(const __m256i *w, const int8_t *a, const int n) {
     return acc;
 }
 
+/* One row of a verification group (3..8 rows), its steps written out: Q4_K's sum16(w, a, 8)
+ * by the sub-block scale, Q6_K's two sum16(w, a, 2) by theirs, added; the same integers as
+ * the C form. Why: in C the compiler interleaved the group's rows, ran out of the sixteen
+ * registers and spilled weights and partial sums inside the row loop; here each row is one
+ * block of instructions that keeps the weights in registers, and the core overlaps rows */
+#define BMA(off, wi) "vpbroadcastd " off "(%[a]), %[t]\n\tvpmaddubsw %[t], %[" wi "], %[t]\n\t"
+AI2 __m256i q4_k_row(const __m256i *w, __m256i sc, const int8_t *a) {
+    __m256i s, t;
+    __asm__("vpbroadcastd (%[a]), %[t]\n\tvpmaddubsw %[t], %[w0], %[s]\n\t"
+            BMA("4", "w1") "vpaddw %[t], %[s], %[s]\n\t" BMA("8", "w2") "vpaddw %[t], %[s], %[s]\n\t"
+            BMA("12", "w3") "vpaddw %[t], %[s], %[s]\n\t" BMA("16", "w4") "vpaddw %[t], %[s], %[s]\n\t"
+            BMA("20", "w5") "vpaddw %[t], %[s], %[s]\n\t" BMA("24", "w6") "vpaddw %[t], %[s], %[s]\n\t"
+            BMA("28", "w7") "vpaddw %[t], %[s], %[s]\n\tvpmaddwd %[sc], %[s], %[s]"
+            : [s] "=&x"(s), [t] "=&x"(t)
+            : [a] "r"(a), [w0] "x"(w[0]), [w1] "x"(w[1]), [w2] "x"(w[2]), [w3] "x"(w[3]),
+              [w4] "x"(w[4]), [w5] "x"(w[5]), [w6] "x"(w[6]), [w7] "x"(w[7]), [sc] "x"(sc), "m"(*(const char(*)[32])a));
+    return s;
+}
+
+AI2 __m256i q6_k_row(const __m256i *w, __m256i sc, const int8_t *a) {
+    __m256i s, t, u;
+    __asm__("vpbroadcastd (%[a]), %[t]\n\tvpmaddubsw %[t], %[w0], %[s]\n\t"
+            BMA("4", "w1") "vpaddw %[t], %[s], %[s]\n\tvpmaddwd %[sc], %[s], %[s]\n\t"
+            "vpbroadcastd 8(%[a]), %[t]\n\tvpmaddubsw %[t], %[w2], %[u]\n\t"
+            BMA("12", "w3") "vpaddw %[t], %[u], %[u]\n\tvpmaddwd %[sc], %[u], %[u]\n\t"
+            "vpaddd %[u], %[s], %[s]"
+            : [s] "=&x"(s), [t] "=&x"(t), [u] "=&x"(u)
+            : [a] "r"(a), [w0] "x"(w[0]), [w1] "x"(w[1]), [w2] "x"(w[2]), [w3] "x"(w[3]),
+              [sc] "x"(sc), "m"(*(const char(*)[16])a));
+    return s;
+}
+#undef BMA
+
 /* the 8 float16 at p as float */
 AI2 __m256 halfs8(const uint8_t *p) {
     return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p));
@@ -106,10 +150,10 @@ AI2 void q4_k_half(const uint8_t *pk, const uint8_t *next, long nb, long b, cons
                    long m0, const int R, int h, __m256 *f) {
     const __m256i low = _mm256_set1_epi8(0xf);
     const uint8_t *blk = pk + b * 2368;
-    fetch_next(next, 2368, h * nb + b);
     __m256i isum[GROUP2], jsum[GROUP2];
     for (int r = 0; r < R; ++r) isum[r] = jsum[r] = _mm256_setzero_si256();
     for (int j = 0; j < 8; ++j) {
+        fetch_next_part(next, 2368, h * nb + b, j, 8);
         __m256i w[8];
         for (int l = 0; l < 4; ++l) {
             __m256i v = _mm256_loadu_si256((const __m256i *)(blk + 320 + 64 * (4 * j + l) + 32 * h));
@@ -120,7 +164,8 @@ AI2 void q4_k_half(const uint8_t *pk, const uint8_t *next, long nb, long b, cons
         sc = _mm256_or_si256(sc, _mm256_slli_epi32(sc, 16)); /* in both words of a dword */
         for (int r = 0; r < R; ++r) {
             const int8_t *a = A->q + (m0 + r) * A->K + 256 * b + 32 * j;
-            isum[r] = _mm256_add_epi32(isum[r], _mm256_madd_epi16(sum16(w, a, 8), sc));
+            __m256i t = R > 2 ? q4_k_row(w, sc, a) : _mm256_madd_epi16(sum16(w, a, 8), sc);
+            isum[r] = _mm256_add_epi32(isum[r], t);
         }
     }
     const __m256 d = halfs8(blk + 16 * h), dmin = halfs8(blk + 32 + 16 * h);
@@ -144,10 +189,10 @@ AI2 void q6_k_half(const uint8_t *pk, const uint8_t *next, long nb, long b, cons
                    long m0, const int R, int h, __m256 *f) {
     const __m256i low = _mm256_set1_epi8(0xf), top = _mm256_set1_epi8(0x30);
     const uint8_t *blk = pk + b * 3360;
-    fetch_next(next, 3360, h * nb + b);
     __m256i isum[GROUP2], jsum[GROUP2];
     for (int r = 0; r < R; ++r) isum[r] = jsum[r] = _mm256_setzero_si256();
     for (int p = 0; p < 8; ++p) {
+        fetch_next_part(next, 3360, h * nb + b, p, 8);
         /* dword c: the scales of sub-blocks 2p (low word) and 2p + 1 (high word) */
         __m256i pair = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(blk + 32 + 32 * p + 16 * h)));
         for (int k = 0; k < 2; ++k) {
@@ -167,6 +212,10 @@ AI2 void q6_k_half(const uint8_t *pk, const uint8_t *next, long nb, long b, cons
                                 _mm256_and_si256(_mm256_srli_epi16(hb, 2), top))};
             for (int r = 0; r < R; ++r) {
                 const int8_t *a = A->q + (m0 + r) * A->K + 256 * b + 16 * j;
+                if (R > 2) {
+                    isum[r] = _mm256_add_epi32(isum[r], q6_k_row(w, sc, a));
+                    continue;
+                }
                 __m256i lo = _mm256_madd_epi16(sum16(w, a, 2), sc);
                 isum[r] = _mm256_add_epi32(isum[r], _mm256_add_epi32(lo, _mm256_madd_epi16(sum16(w + 2, a + 8, 2), sc)));
             }
