@@ -7,8 +7,9 @@
 
    Invariant: out[r,h] depends only on q[r,h], the keys and values lo[r]..hi[r]-1 and scale;
    not on the other rows of the call, on their number, or on how (r,h) pairs are split over
-   threads. Each pair is computed by one thread, start to end, by the same code whatever the
-   call: dot products in 16 lanes over the feature dimension summed in one fixed tree, exp by
+   threads. Each pair is computed by one thread, start to end, by the same steps whatever the
+   call (the query heads of one kv head go together, a block of keys at a time, each head's
+   steps in its own order): dot products in 16 lanes over the feature dimension summed in one fixed tree, exp by
    one polynomial written in plain arithmetic (no libm call whose vector and scalar forms may
    differ), sums in 16 lanes over the keys. Compiled with -ffp-contract=off, so a vectorised
    and a scalar evaluation of the same expression give the same bits. So a token's attention
@@ -98,14 +99,20 @@ static void scores_of(const float *restrict q, const float *restrict k, long str
     for (; j < n; j++) scores[j] = dot(q, k + j * stride, dim);
 }
 
-/* out[d] = sum_j p_j * v_j[d], each feature's sum in key order (j = 0, 1, ...). */
-static void weighted_sum(const float *restrict p, const float *restrict v, long stride, long n,
-                         long dim, float *restrict out) {
+/* out[d] += sum_j p_j * v_j[d] for keys j = j0 .. j1-1 in order (out zeroed first when j0 is
+   0): called block after block, each feature's sum is still one chain in key order (its
+   running value stored and reloaded exactly between blocks), whatever the blocks. */
+static void weighted_sum(const float *restrict p, const float *restrict v, long stride,
+                         long j0, long j1, long dim, float *restrict out) {
     long d0 = 0;
 #if defined(__AVX512F__)
     for (; d0 + 4 * LANES <= dim; d0 += 4 * LANES) {  /* 64 features in registers */
         __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
-        for (long j = 0; j < n; j++) {
+        if (j0 > 0) {
+            a0 = _mm512_loadu_ps(out + d0), a1 = _mm512_loadu_ps(out + d0 + LANES);
+            a2 = _mm512_loadu_ps(out + d0 + 2 * LANES), a3 = _mm512_loadu_ps(out + d0 + 3 * LANES);
+        }
+        for (long j = j0; j < j1; j++) {
             const float *vj = v + j * stride + d0;
             __m512 w = _mm512_set1_ps(p[j]);
             a0 = _mm512_add_ps(a0, _mm512_mul_ps(w, _mm512_loadu_ps(vj)));
@@ -121,8 +128,8 @@ static void weighted_sum(const float *restrict p, const float *restrict v, long 
 #elif defined(__AVX2__)
     for (; d0 + 64 <= dim; d0 += 64) {  /* 64 features in 8 registers */
         __m256 a[8];
-        for (int i = 0; i < 8; i++) a[i] = _mm256_setzero_ps();
-        for (long j = 0; j < n; j++) {
+        for (int i = 0; i < 8; i++) a[i] = j0 > 0 ? _mm256_loadu_ps(out + d0 + 8 * i) : _mm256_setzero_ps();
+        for (long j = j0; j < j1; j++) {
             const float *vj = v + j * stride + d0;
             __m256 w = _mm256_set1_ps(p[j]);
             for (int i = 0; i < 8; i++) a[i] = _mm256_add_ps(a[i], _mm256_mul_ps(w, _mm256_loadu_ps(vj + 8 * i)));
@@ -130,17 +137,22 @@ static void weighted_sum(const float *restrict p, const float *restrict v, long 
         for (int i = 0; i < 8; i++) _mm256_storeu_ps(out + d0 + 8 * i, a[i]);
     }
 #endif
-    for (long d = d0; d < dim; d++) out[d] = 0.0f;
-    for (long j = 0; j < n; j++) {
+    if (j0 == 0)
+        for (long d = d0; d < dim; d++) out[d] = 0.0f;
+    for (long j = j0; j < j1; j++) {
         const float *restrict vj = v + j * stride;
         for (long d = d0; d < dim; d++) out[d] += p[j] * vj[d];
     }
 }
 
-static void attend_one(const float *restrict q, const float *restrict k,
-                       const float *restrict v, long key_stride, long n, long dim,
-                       float scale, float *restrict scores, float *restrict out) {
-    scores_of(q, k, key_stride, n, dim, scores);
+/* Keys a block: a block of keys and values (at most 32 x 128 floats each) stays in the first
+   level of cache while every query head of its kv head reads it, where head after head over
+   all keys read them from the second level once a head (which bounded the call). A multiple
+   of 4, so scores_of's groups of 4 keys stay the same. */
+#define KEY_BLOCK 32
+
+/* scores[0..n-1] -> softmax(scores * scale), in place */
+static void softmax_scaled(float *restrict scores, long n, float scale) {
     float top[LANES], part[LANES];
     for (int l = 0; l < LANES; l++) top[l] = -INFINITY, part[l] = 0.0f;
     for (long j = 0; j < n; j++) scores[j] *= scale;
@@ -155,7 +167,28 @@ static void attend_one(const float *restrict q, const float *restrict k,
     for (int width = LANES / 2; width > 0; width /= 2)
         for (int l = 0; l < width; l++) part[l] += part[l + width];
     for (long i = 0; i < n; i++) scores[i] = scores[i] / part[0];
-    weighted_sum(scores, v, key_stride, n, dim, out);
+}
+
+/* The `heads` query heads q + i * q_head_stride of one row over the same n keys and values:
+   for each head the same steps as alone (scores_of's groups of 4 keys, the softmax, one sum
+   per feature in key order), taken a key block at a time for all heads. scores: heads * n
+   floats; out + i * dim: head i's output. */
+static void attend_heads(const float *restrict q, long q_head_stride, long heads,
+                         const float *restrict k, const float *restrict v, long key_stride,
+                         long n, long dim, float scale, float *restrict scores,
+                         float *restrict out) {
+    for (long j0 = 0; j0 < n; j0 += KEY_BLOCK) {
+        long j1 = j0 + KEY_BLOCK < n ? j0 + KEY_BLOCK : n;
+        for (long i = 0; i < heads; i++)
+            scores_of(q + i * q_head_stride, k + j0 * key_stride, key_stride, j1 - j0, dim,
+                      scores + i * n + j0);
+    }
+    for (long i = 0; i < heads; i++) softmax_scaled(scores + i * n, n, scale);
+    for (long j0 = 0; j0 < n; j0 += KEY_BLOCK) {  /* n >= 1: one_run refuses an empty run */
+        long j1 = j0 + KEY_BLOCK < n ? j0 + KEY_BLOCK : n;
+        for (long i = 0; i < heads; i++)
+            weighted_sum(scores + i * n, v, key_stride, j0, j1, dim, out + i * dim);
+    }
 }
 
 /* Row r's keys from its mask row (bool bytes): the run lo..hi-1 of ones. 0 when the row's
@@ -196,20 +229,21 @@ int understudy_span_attention(
     int failed = 0;
     #pragma omp parallel num_threads(work >= 200000 ? threads : 1)
     {
-        float *scores = malloc(sizeof(float) * (longest + 4));
+        float *scores = malloc(sizeof(float) * (group * longest + 4));
         if (scores == NULL) {
             #pragma omp atomic write
             failed = 1;
         }
         #pragma omp for schedule(static)
-        for (long pair = 0; pair < rows * heads; pair++) {
+        for (long unit = 0; unit < rows * kv_heads; unit++) {  /* (row, kv head) */
             if (scores == NULL) continue;
-            long r = pair / heads, h = pair % heads, g = h / group;
+            long r = unit / kv_heads, g = unit % kv_heads, h = g * group;
             long b = per_row ? r : 0;
             const float *kb = k + b * kv_row_stride + g * kv_head_stride + lo[r] * key_stride;
             const float *vb = v + b * kv_row_stride + g * kv_head_stride + lo[r] * key_stride;
-            attend_one(q + r * q_row_stride + h * q_head_stride, kb, vb, key_stride,
-                       hi[r] - lo[r], dim, scale, scores, out + (r * heads + h) * dim);
+            attend_heads(q + r * q_row_stride + h * q_head_stride, q_head_stride, group, kb, vb,
+                         key_stride, hi[r] - lo[r], dim, scale, scores,
+                         out + (r * heads + h) * dim);
         }
         free(scores);
     }
