@@ -338,9 +338,11 @@ AI2 void group_rows2(int type, const uint8_t *pk, const uint8_t *next, const act
     for (int h = 0; h < halves; ++h) store_half(f[h], R, h, bias, y, ldy, cols);
 }
 
-/* Rows m0..m0+rows-1 of one panel, GROUP2 at a time */
-static void panel_rows_avx2(int type, const uint8_t *pk, const uint8_t *next, const acts_t *A,
-                            long m0, long rows, const float *bias, float *y, long ldy, long cols) {
+/* Rows m0..m0+rows-1 of one panel, GROUP2 at a time; `type` a constant in each of
+ * panel_rows_avx2's calls, so every type gets its own loops (with the type a variable, the
+ * one-row loop tested it in every block and spilled around the other types' paths) */
+AI2 void panel_rows_typed(const int type, const uint8_t *pk, const uint8_t *next, const acts_t *A,
+                          long m0, long rows, const float *bias, float *y, long ldy, long cols) {
     long r = 0;
     for (; r + GROUP2 <= rows; r += GROUP2)
         group_rows2(type, pk, next, A, m0 + r, GROUP2, bias, y + r * ldy, ldy, cols);
@@ -352,6 +354,18 @@ static void panel_rows_avx2(int type, const uint8_t *pk, const uint8_t *next, co
     case 5: group_rows2(type, pk, next, A, m0 + r, 5, bias, y + r * ldy, ldy, cols); break;
     case 6: group_rows2(type, pk, next, A, m0 + r, 6, bias, y + r * ldy, ldy, cols); break;
     case 7: group_rows2(type, pk, next, A, m0 + r, 7, bias, y + r * ldy, ldy, cols); break;
+    default: break;
+    }
+}
+
+static void panel_rows_avx2(int type, const uint8_t *pk, const uint8_t *next, const acts_t *A,
+                            long m0, long rows, const float *bias, float *y, long ldy, long cols) {
+    switch (type) {
+    case T_Q4_K: panel_rows_typed(T_Q4_K, pk, next, A, m0, rows, bias, y, ldy, cols); break;
+    case T_Q6_K: panel_rows_typed(T_Q6_K, pk, next, A, m0, rows, bias, y, ldy, cols); break;
+    case T_Q8_0: panel_rows_typed(T_Q8_0, pk, next, A, m0, rows, bias, y, ldy, cols); break;
+    case T_Q5_0: panel_rows_typed(T_Q5_0, pk, next, A, m0, rows, bias, y, ldy, cols); break;
+    case T_Q4_0: panel_rows_typed(T_Q4_0, pk, next, A, m0, rows, bias, y, ldy, cols); break;
     default: break;
     }
 }
