@@ -9,8 +9,8 @@
    not on the other rows of the call, on their number, or on how (r,h) pairs are split over
    threads. Each pair is computed by one thread, start to end, by the same steps whatever the
    call (the query heads of one kv head go together, a block of keys at a time, each head's
-   steps in its own order): dot products in 16 lanes over the feature dimension summed in one fixed tree, exp by
-   one polynomial written in plain arithmetic (no libm call whose vector and scalar forms may
+   steps in its own order): dot products in 16 lanes over the feature dimension summed in
+   one fixed tree, exp by one polynomial written in plain arithmetic (no libm call whose vector and scalar forms may
    differ), sums in 16 lanes over the keys. Compiled with -ffp-contract=off, so a vectorised
    and a scalar evaluation of the same expression give the same bits. So a token's attention
    is bitwise the same in a one-row decode pass, in a verification pass of many rows and in
@@ -145,7 +145,7 @@ static void weighted_sum(const float *restrict p, const float *restrict v, long 
     }
 }
 
-/* Keys a block: a block of keys and values (at most 32 x 128 floats each) stays in the first
+/* Keys a block: a block of keys and values (16 KB each at 128 features) stays in the first
    level of cache while every query head of its kv head reads it, where head after head over
    all keys read them from the second level once a head (which bounded the call). A multiple
    of 4, so scores_of's groups of 4 keys stay the same. */
@@ -226,6 +226,10 @@ int understudy_span_attention(
         work += (hi[r] - lo[r]) * heads * dim;
     }
     const long group = heads / kv_heads;
+    /* a kv head's query heads in `parts` shares, so that fewer (row, kv head) units than
+       threads still give every thread work (each head's steps are its own either way) */
+    const long units = rows * kv_heads, wanted = threads > units ? threads / units : 1;
+    const long parts = units > 0 && wanted < group ? wanted : group;
     int failed = 0;
     #pragma omp parallel num_threads(work >= 200000 ? threads : 1)
     {
@@ -235,14 +239,16 @@ int understudy_span_attention(
             failed = 1;
         }
         #pragma omp for schedule(static)
-        for (long unit = 0; unit < rows * kv_heads; unit++) {  /* (row, kv head) */
+        for (long unit = 0; unit < rows * kv_heads * parts; unit++) {  /* (row, kv head, part) */
             if (scores == NULL) continue;
-            long r = unit / kv_heads, g = unit % kv_heads, h = g * group;
+            long r = unit / (kv_heads * parts), g = unit / parts % kv_heads, c = unit % parts;
+            long first = c * group / parts, n_heads = (c + 1) * group / parts - first;
+            long h = g * group + first;
             long b = per_row ? r : 0;
             const float *kb = k + b * kv_row_stride + g * kv_head_stride + lo[r] * key_stride;
             const float *vb = v + b * kv_row_stride + g * kv_head_stride + lo[r] * key_stride;
-            attend_heads(q + r * q_row_stride + h * q_head_stride, q_head_stride, group, kb, vb,
-                         key_stride, hi[r] - lo[r], dim, scale, scores,
+            attend_heads(q + r * q_row_stride + h * q_head_stride, q_head_stride, n_heads, kb,
+                         vb, key_stride, hi[r] - lo[r], dim, scale, scores,
                          out + (r * heads + h) * dim);
         }
         free(scores);
