@@ -212,12 +212,10 @@ AI2 void q6_k_half(const uint8_t *pk, const uint8_t *next, long nb, long b, cons
                                 _mm256_and_si256(_mm256_srli_epi16(hb, 2), top))};
             for (int r = 0; r < R; ++r) {
                 const int8_t *a = A->q + (m0 + r) * A->K + 256 * b + 16 * j;
-                if (R > 2) {
-                    isum[r] = _mm256_add_epi32(isum[r], q6_k_row(w, sc, a));
-                    continue;
-                }
-                __m256i lo = _mm256_madd_epi16(sum16(w, a, 2), sc);
-                isum[r] = _mm256_add_epi32(isum[r], _mm256_add_epi32(lo, _mm256_madd_epi16(sum16(w + 2, a + 8, 2), sc)));
+                __m256i t = R > 2 ? q6_k_row(w, sc, a)
+                                  : _mm256_add_epi32(_mm256_madd_epi16(sum16(w, a, 2), sc),
+                                                     _mm256_madd_epi16(sum16(w + 2, a + 8, 2), sc));
+                isum[r] = _mm256_add_epi32(isum[r], t);
             }
         }
         for (int r = 0; r < R; ++r) {
