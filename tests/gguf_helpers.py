@@ -70,16 +70,18 @@ def write_tiny_qwen2_gguf(
     tied: bool = False,
     layer_types: dict[str, GGMLQuantizationType] = LAYER_TYPES,
     head_scale: float = 1.0,
+    layers: int = TINY["layers"],
 ) -> Path:
     """A tiny random Qwen2 GGUF file (no tokenizer: token-id prompts), weights in mixed
     block types (`layer_types`); embedding Q8_0, output Q6_K (or tied to the embedding).
     `head_scale` multiplies the output's float16 scales: the same seed with a larger one is
-    the same network with sharper logits (a draft that ranks tokens as the target does)."""
+    the same network with sharper logits (a draft that ranks tokens as the target does).
+    `layers`: how many decoder layers."""
     h, inter, heads, kv = TINY["hidden"], TINY["inter"], TINY["heads"], TINY["kv_heads"]
     head_dim = h // heads
     rng = np.random.default_rng(seed)
     writer = GGUFWriter(str(path), "qwen2")
-    writer.add_block_count(TINY["layers"])
+    writer.add_block_count(layers)
     writer.add_context_length(2048)
     writer.add_embedding_length(h)
     writer.add_feed_forward_length(inter)
@@ -120,7 +122,7 @@ def write_tiny_qwen2_gguf(
         "ffn_up": (inter, h),
         "ffn_down": (h, inter),
     }
-    for i in range(TINY["layers"]):
+    for i in range(layers):
         for part, kind in layer_types.items():
             add(f"blk.{i}.{part}.weight", kind, *shapes[part])
         for part in ("attn_q", "attn_k", "attn_v"):

@@ -20,7 +20,8 @@ import torch
 from eagle_helpers import SETTINGS, target_written_text, train_greedy_head
 from test_exactness import P_THRESHOLD, WARPS, goodness_of_fit, random_prompts
 from understudy import Engine, SamplingParams, UnderstudyError
-from understudy.head.features import target_features
+from understudy.head.features import sequence_data
+from understudy.head.lockstep import prepare_target
 from understudy.head.pipeline import train_head
 from understudy.models.loader import load_model
 from understudy.models.quant import Int4Linear
@@ -137,8 +138,13 @@ def test_tree_rounds_hand_the_head_the_kept_path(trained):
     prompt = random_prompts(1, seed=21)[0]
     out = engine.generate(prompt, params)
     assert out.stats.accepted > 0
-    sequence = torch.tensor(prompt + out.token_ids)
-    features, _ = target_features(load_model(target, "float32").model, sequence)
+    sequence = prompt + out.token_ids
+    model = load_model(target, "float32").model
+    prepare_target(model)
+    head = engine.drafter.head
+    model.feature_layers = head.cfg.feature_layers
+    with torch.inference_mode():
+        features = head.input_features(sequence_data(model, [sequence])["kept"][0])  # [T, H]
     known = engine.drafter.known
     assert known >= len(sequence) - 2
     torch.testing.assert_close(engine.drafter.features[:known], features[:known])

@@ -16,7 +16,8 @@ from eagle_helpers import SETTINGS, target_written_text, train_greedy_head
 from test_cli import cli
 from test_exactness import random_prompts
 from understudy import Engine, SamplingParams, UnderstudyError
-from understudy.head.features import target_features
+from understudy.head.features import sequence_data
+from understudy.head.lockstep import prepare_target
 from understudy.head.pipeline import HeadSettings, train_head
 from understudy.head.train import TrainConfig, evaluate, training_autocast, unrolled_losses
 from understudy.models.eagle_head import EagleHead, load_head
@@ -34,14 +35,9 @@ def test_training_learns_the_targets_next_tokens(trained):
     """Held-out argmax agreement of the trained head is far above an untrained one's."""
     target, folder, meta = trained
     model = load_model(target, "float32").model
-    held_out = torch.tensor(target_written_text(target, 4, seed=99, temperature=0.0))
-    pairs = [target_features(model, row) for row in held_out]
-    data = {
-        "tokens": held_out,
-        "features": torch.stack([f for f, _ in pairs]),
-        "argmax": torch.stack([a for _, a in pairs]),
-    }
     trained_head = load_head(folder, model)
+    model.feature_layers = trained_head.cfg.feature_layers
+    data = sequence_data(model, target_written_text(target, 4, seed=99, temperature=0.0))
     untrained = EagleHead(trained_head.cfg, model.embed)
     untrained.vocab.copy_(trained_head.vocab)
     untrained.lm.weight.data = trained_head.lm.weight.data.clone()
@@ -52,11 +48,10 @@ def test_training_learns_the_targets_next_tokens(trained):
     assert len(meta["val_agree"]) == SETTINGS.train.unroll
 
 
-def one_sequence_data(target: str) -> dict[str, torch.Tensor]:
+def one_sequence_data(target: str, layers: tuple[int, ...]) -> dict[str, torch.Tensor]:
     model = load_model(target, "float32").model
-    tokens = torch.tensor(target_written_text(target, 1, seed=7, temperature=0.0))  # [1, 64]
-    features, argmax = target_features(model, tokens[0])
-    return {"tokens": tokens, "features": features[None], "argmax": argmax[None]}
+    model.feature_layers = layers
+    return sequence_data(model, target_written_text(target, 1, seed=7, temperature=0.0))
 
 
 def test_feature_noise_is_random_seeded_and_off_at_zero(trained):
@@ -64,15 +59,16 @@ def test_feature_noise_is_random_seeded_and_off_at_zero(trained):
     and not at all at 0 (the value `evaluate` uses)."""
     target, folder, meta = trained
     head = load_head(folder, load_model(target, "float32").model)
-    data = one_sequence_data(target)
+    data = one_sequence_data(target, head.cfg.feature_layers)
     scale = float(meta["feature_scale"])
 
     def loss(noise: float, seed: int) -> float:
         torch.manual_seed(seed)
         with torch.no_grad():
             total, _ = unrolled_losses(
-                head, data["tokens"], data["features"], data["argmax"], 2, scale, 1.0, noise
-            )
+                head, data["tokens"], data["features"], data["argmax"], 2, scale, 1.0, noise,
+                data["kept"],
+            )  # fmt: skip
         return float(total)
 
     assert loss(0.0, 1) == loss(0.0, 2)
@@ -86,7 +82,8 @@ def test_feature_noise_is_random_seeded_and_off_at_zero(trained):
 
 def test_training_precisions(tiny_pair, tmp_path):
     """bfloat16 autocast runs the step's matmuls in bf16; both precisions train a head that
-    agrees with the target held out."""
+    agrees with the target held out, one reading the final hidden state alone, the other
+    the outputs of both layers (the tiny target's default feature layers)."""
     with training_autocast("bfloat16", torch.device("cpu")):
         assert torch.is_autocast_enabled("cpu")
         assert (
@@ -96,23 +93,25 @@ def test_training_precisions(tiny_pair, tmp_path):
         assert not torch.is_autocast_enabled("cpu")
     target, _ = tiny_pair
     sequences = target_written_text(target, 40, seed=0, temperature=0.0)
-    for precision in ("float32", "bfloat16"):
+    for precision, layers in (("float32", ()), ("bfloat16", None)):
         settings = HeadSettings(
             intermediate_size=96,
             draft_vocab_size=256,
             train=TrainConfig(
                 epochs=8, batch=4, lr=3e-3, warmup=5, checkpoint_every=1000, precision=precision
             ),
+            feature_layers=layers,
         )
         folder = tmp_path / precision
         meta = train_head(load_model(target, "float32"), sequences, folder, "t", settings, False)
         assert meta["val_agree"][0] > 0.15, (precision, meta["val_agree"])  # untrained: ~0.004
+        assert meta["feature_layers"] == ([] if layers == () else [0, 1])
 
 
 def test_saved_files_and_resume(trained, tiny_pair):
     """A second run reuses the cached features and the finished checkpoint: no new work."""
     target, folder, meta = trained
-    shards = sorted((folder / "features-test-64").glob("features-*.safetensors"))
+    shards = sorted((folder / "features-test-64-layers-0-1").glob("features-*.safetensors"))
     assert shards and (folder / "head.safetensors").exists() and (folder / "checkpoint.pt").exists()
     stamps = [p.stat().st_mtime_ns for p in shards]
     sequences = target_written_text(target, 40, seed=0, temperature=0.0)
@@ -136,15 +135,18 @@ def test_inference_sees_what_training_saw(trained):
     params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
     model = load_model(target, "float32").model
     head = load_head(folder, model)
+    prepare_target(model)
+    model.feature_layers = head.cfg.feature_layers
     checked = [0, 0, 0]  # guesses compared at depths 1, 2, 3
     for prompt in random_prompts(3, seed=5):
         rounds = []
         out = engine.stream(prompt, params, on_round=rounds.append)
-        sequence = torch.tensor(prompt + [event.token_id for event in out])
-        features, _ = target_features(model, sequence)
+        sequence = prompt + [event.token_id for event in out]
+        kept = sequence_data(model, [sequence])["kept"]  # [1, T, F]
         guesses = []  # guesses[s - 1][i]: step s's guess of token i + s + 1
-        inputs, earlier = features[None, :-1], None
+        sequence = torch.tensor(sequence)
         with torch.no_grad():
+            inputs, earlier = head.input_features(kept[:, :-1]), None
             for s in (1, 2, 3):
                 t = sequence.shape[0] - s
                 predicted, earlier = head.sequence(sequence[None, s:], inputs[:, :t], earlier)

@@ -18,14 +18,9 @@ from eagle_helpers import SETTINGS, target_written_text
 from test_cli import cli
 from understudy import Engine, SamplingParams
 from understudy.head.features import target_features
+from understudy.head.lockstep import decode_in_lockstep
 from understudy.head.pipeline import HeadSettings, as_rows, train_head
-from understudy.head.self_text import (
-    LENGTH_RUN,
-    OPENERS,
-    continue_in_batches,
-    docstring_prompts,
-    function_prompts,
-)
+from understudy.head.self_text import LENGTH_RUN, OPENERS, docstring_prompts, function_prompts
 from understudy.head.train import TrainConfig
 from understudy.models.loader import load_model
 
@@ -97,7 +92,8 @@ def test_packed_batches_decode_as_plain_greedy(tiny_pair):
     model = load_model(target, "float32").model
     gen = torch.Generator().manual_seed(3)
     prompts = [torch.randint(1, 300, (n,), generator=gen).tolist() for n in (3, 9, 5, 17, 9)]
-    tokens, features, argmax = continue_in_batches(model, prompts, 40)
+    decoded = decode_in_lockstep(model, prompts, 40)
+    tokens, features, argmax = decoded.tokens, decoded.features, decoded.argmax
     assert tokens.shape == (5, 40) and features.shape == (5, 40, model.cfg.hidden_size)
     plain = Engine.from_pretrained(target=target, method="none", dtype="float32")
     for b, prompt in enumerate(prompts):
@@ -172,7 +168,7 @@ def test_train_on_self_text_beside_a_corpus_and_from_a_head(tiny_pair, tmp_path)
     assert meta["self_tokens"] == 20 * 32 and meta["tokens"] == 8 * 64
     # 16 corpus rows of 32 (1 held out) + 20 self-written (2 held out)
     assert meta["train_sequences"] == 15 + 18
-    assert (first / "features-self-32" / "features-0001.safetensors").exists()
+    assert (first / "features-self-32-layers-0-1" / "features-0001.safetensors").exists()
     still = HeadSettings(96, 256, TrainConfig(epochs=1, batch=4, lr=1e-12, warmup=1), 32)
     second = tmp_path / "second"
     meta = train_head(
@@ -213,7 +209,7 @@ def test_train_head_on_self_text_from_the_command_line(tiny_pair, tmp_path):
     assert made.returncode == 0, made.stderr
     said = " ".join(made.stderr.split())
     assert "0 tokens (stdlib) + 192 the target writes" in said
-    assert len(list((first / "features-self-64").glob("*.safetensors"))) == 1
+    assert len(list((first / "features-self-64-layers-0-1").glob("*.safetensors"))) == 1
     more = cli("train-head", *common, "--out", str(second), "--self-tokens", "128", "--init",
                str(first), "--epochs", "1")  # fmt: skip
     assert more.returncode == 0, more.stderr
@@ -231,8 +227,8 @@ def test_sampled_prompts_then_greedy(tiny_pair):
 
     def run(seed: int) -> tuple[torch.Tensor, torch.Tensor]:
         generator = torch.Generator().manual_seed(seed)
-        tokens, _, argmax = continue_in_batches(model, prompts, 40, sample_to, 1.0, generator)
-        return tokens, argmax
+        decoded = decode_in_lockstep(model, prompts, 40, sample_to, 1.0, generator)
+        return decoded.tokens, decoded.argmax
 
     tokens, argmax = run(0)
     for b, until in enumerate(sample_to):
@@ -243,7 +239,7 @@ def test_sampled_prompts_then_greedy(tiny_pair):
     assert drawn.float().mean() > 0.8
     again, _ = run(0)
     assert torch.equal(again, tokens) and not torch.equal(run(1)[0], tokens)
-    greedy, _, _ = continue_in_batches(model, prompts[2:], 40)
+    greedy = decode_in_lockstep(model, prompts[2:], 40).tokens
     assert torch.equal(tokens[2], greedy[0])
 
 
@@ -266,9 +262,9 @@ def test_sampled_tokens_follow_the_targets_distribution(tiny_pair):
 
     def counts(sample_temperature: float) -> torch.Tensor:
         generator = torch.Generator().manual_seed(7)
-        tokens, _, _ = continue_in_batches(
+        tokens = decode_in_lockstep(
             model, [prompt] * copies, 5, [5] * copies, sample_temperature, generator
-        )
+        ).tokens
         first = tokens[:, 3]  # [copies]
         hits = (first[:, None] == top[None]).sum(0).double()  # [12]
         return torch.cat([hits, (copies - hits.sum()).reshape(1)])
@@ -293,7 +289,7 @@ def test_train_head_on_text_begun_from_openers(tiny_pair, tmp_path):
     meta = json.loads((out / "config.json").read_text())["meta"]
     assert meta["opener_sequences"] == 4 and meta["self_sequences"] == 0
     assert meta["train_sequences"] == 3  # 1 of the 4 held out
-    shard = load_file(str(out / "features-open-80" / "features-0000.safetensors"))
+    shard = load_file(str(out / "features-open-80-layers-0-1" / "features-0000.safetensors"))
     tokenizer = AutoTokenizer.from_pretrained(target)
     for row, opener in zip(shard["tokens"], OPENERS, strict=False):
         ids = tokenizer(opener)["input_ids"]

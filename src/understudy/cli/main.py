@@ -17,7 +17,7 @@ from understudy.cli.bench import bench
 from understudy.cli.common import fail
 from understudy.cli.serve import serve
 from understudy.cli.simulate import simulate
-from understudy.cli.train_head import train_head_command
+from understudy.cli.train_head import pack_head_command, train_head_command
 
 app = typer.Typer(
     help="Lossless speculative decoding: a cheap drafter guesses, the target verifies.",
@@ -32,6 +32,9 @@ app.command("bench", help="Methods and peers side by side on the same prompts, w
 app.command(
     "train-head", help="Train the target's own prediction head for method=eagle (resumable)."
 )(train_head_command)
+app.command("pack-head", help="Pack a trained head (int4) to ship it with the package.")(
+    pack_head_command
+)
 app.command("serve", help="Serve the engine over OpenAI's HTTP API, with the live Lab at /lab.")(
     serve
 )

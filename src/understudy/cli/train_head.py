@@ -16,13 +16,17 @@ from __future__ import annotations
 
 import hashlib
 import json
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 from rich.console import Console
 
-from understudy.head.features import SHARD
+from understudy.head.shards import SHARD
+
+if TYPE_CHECKING:
+    from understudy.models.loader import LoadedModel
 
 
 def whole_shards(count: int) -> int:
@@ -91,19 +95,93 @@ def train_head_command(
     ] = "auto",
     intermediate_size: Annotated[int, typer.Option(help="The head's MLP width.")] = 4096,
     draft_vocab: Annotated[int, typer.Option(help="Tokens the head can guess.")] = 8192,
+    feature_layers: Annotated[
+        str,
+        typer.Option(
+            help="What the head reads: auto (EAGLE-3: a low, a middle and the last layer's "
+            "outputs), final (the final hidden state alone), or layer indices: 1,13,27."
+        ),
+    ] = "auto",
     progress: Annotated[bool, typer.Option(help="Show progress bars.")] = True,
 ) -> None:
     """Train the target's own prediction head (EAGLE-style) on its hidden states."""
     from understudy.cli.common import fail
     from understudy.config import UnderstudyError
     from understudy.drafters.eagle import default_head_dir
-    from understudy.head.corpus import stdlib_files, text_files, token_sequences
     from understudy.head.pipeline import HeadSettings, train_head
-    from understudy.head.self_text import OPENER_SAMPLED, docstring_prompts, opener_prompts
-    from understudy.head.train import PRECISIONS, TrainConfig
-    from understudy.models.hf_fallback import refuse_on_fallback
-    from understudy.models.loader import load_model
-    from understudy.models.registry import DEFAULT_TARGET
+    from understudy.head.train import TrainConfig
+
+    problem = option_problem(
+        tokens, seq_len, self_tokens, opener_tokens, self_len, epochs, batch, unroll,
+        intermediate_size, draft_vocab, lr, feature_noise, precision, init,
+    )  # fmt: skip
+    layers = parse_feature_layers(feature_layers)
+    if problem is None and layers is False:
+        problem = f"--feature-layers must be auto, final or layer indices, got {feature_layers!r}"
+    if problem is not None:
+        fail(problem)
+    train_cfg = TrainConfig(
+        epochs=epochs,
+        batch=batch,
+        lr=lr,
+        unroll=unroll,
+        feature_noise=feature_noise,
+        precision=precision,
+    )
+    err = Console(stderr=True, highlight=False)
+    try:
+        loaded = load_target(target)
+        text = TrainingText.read(loaded.tokenizer, data, tokens, seq_len, self_tokens,
+                                 opener_tokens, self_len)  # fmt: skip
+        folder = out or default_head_dir(loaded.name)
+        own = (len(text.prompts) + len(text.openers)) * self_len
+        written = f" + {own} the target writes" if own else ""
+        err.print(
+            f"training a head for {loaded.name} on {len(text.sequences) * seq_len} tokens "
+            f"({text.corpus}){written}; output: {folder}"
+        )
+        settings = HeadSettings(
+            intermediate_size=intermediate_size,
+            draft_vocab_size=draft_vocab,
+            train=train_cfg,
+            self_len=self_len,
+            feature_layers=layers,
+        )
+        meta = train_head(
+            loaded, text.sequences, folder, text.corpus, settings, progress, text.prompts,
+            init, text.openers,
+        )  # fmt: skip
+    except (UnderstudyError, FileNotFoundError, ValueError) as error:
+        fail(str(error))
+        return
+    summary = {
+        k: meta[k]
+        for k in ("tokens", "train_seconds", "val_agree", "draft_vocab_coverage_held_out")
+    }
+    err.print(json.dumps(summary))
+    use = "understudy generate --method eagle" + (f" --draft {folder}" if out else "")
+    err.print(f"saved to {folder}; use it with: {use} 'def fib(n):'")
+
+
+def option_problem(
+    tokens: int,
+    seq_len: int,
+    self_tokens: int,
+    opener_tokens: int,
+    self_len: int,
+    epochs: int,
+    batch: int,
+    unroll: int,
+    intermediate_size: int,
+    draft_vocab: int,
+    lr: float,
+    feature_noise: float,
+    precision: str,
+    init: Path | None,
+) -> str | None:
+    """What is wrong with train-head's options, as its error line; None when nothing is."""
+    from understudy.head.self_text import OPENER_SAMPLED
+    from understudy.head.train import PRECISIONS
 
     for name, value, low in (
         ("self-tokens", self_tokens, 0),
@@ -117,45 +195,88 @@ def train_head_command(
         ("draft-vocab", draft_vocab, 2),
     ):
         if value < low:
-            fail(f"--{name} must be at least {low}, got {value}")
+            return f"--{name} must be at least {low}, got {value}"
     written = self_tokens or opener_tokens
     if tokens < 2 * seq_len and (tokens or not written):
-        fail(
+        return (
             f"--tokens must be at least {2 * seq_len} (or 0 with --self-tokens or "
             f"--opener-tokens), got {tokens}"
         )
     if written and tokens and seq_len % self_len:
-        fail(f"--seq-len {seq_len} must be a multiple of --self-len {self_len}")
+        return f"--seq-len {seq_len} must be a multiple of --self-len {self_len}"
     for name, value in (("self-tokens", self_tokens), ("opener-tokens", opener_tokens)):
         if value and value < 2 * self_len:
-            fail(f"--{name} must be 0 or at least {2 * self_len}, got {value}")
+            return f"--{name} must be 0 or at least {2 * self_len}, got {value}"
     if opener_tokens and self_len <= OPENER_SAMPLED + 16:
-        fail(
+        return (
             f"--self-len must be over {OPENER_SAMPLED + 16} with --opener-tokens "
             f"({OPENER_SAMPLED} are sampled), got {self_len}"
         )
     if init is not None and not (init / "head.safetensors").is_file():
-        fail(f"--init {init}: no trained head there (head.safetensors)")
+        return f"--init {init}: no trained head there (head.safetensors)"
     if not lr > 0:
-        fail(f"--lr must be positive, got {lr}")
+        return f"--lr must be positive, got {lr}"
     if not feature_noise >= 0:
-        fail(f"--feature-noise must be >= 0, got {feature_noise}")
+        return f"--feature-noise must be >= 0, got {feature_noise}"
     if precision not in PRECISIONS:
-        fail(f"--precision must be one of {', '.join(PRECISIONS)}, got {precision!r}")
-    train_cfg = TrainConfig(
-        epochs=epochs,
-        batch=batch,
-        lr=lr,
-        unroll=unroll,
-        feature_noise=feature_noise,
-        precision=precision,
-    )
-    err = Console(stderr=True, highlight=False)
+        return f"--precision must be one of {', '.join(PRECISIONS)}, got {precision!r}"
+    return None
+
+
+def parse_feature_layers(text: str) -> tuple[int, ...] | None | bool:
+    """--feature-layers: None for auto (the target's default), () for final, the indices
+    given ascending; False when it is none of those."""
+    if text == "auto":
+        return None
+    if text == "final":
+        return ()
     try:
-        loaded = load_model(target or DEFAULT_TARGET)
-        refuse_on_fallback(loaded, None, wants_hidden=True)  # a head reads hidden states
-        if loaded.tokenizer is None:
-            raise UnderstudyError(f"target {loaded.name!r} has no tokenizer: cannot read text")
+        layers = tuple(int(part) for part in text.split(","))
+    except ValueError:
+        return False
+    return layers if list(layers) == sorted(set(layers)) and min(layers) >= 0 else False
+
+
+def load_target(spec: str | None) -> LoadedModel:
+    """The target to train a head for, refused unless our Transformer runs it (a head reads
+    its hidden states) and it has a tokenizer (the training text is text)."""
+    from understudy.config import UnderstudyError
+    from understudy.models.hf_fallback import refuse_on_fallback
+    from understudy.models.loader import load_model
+    from understudy.models.registry import DEFAULT_TARGET
+
+    loaded = load_model(spec or DEFAULT_TARGET)
+    refuse_on_fallback(loaded, None, wants_hidden=True)
+    if loaded.tokenizer is None:
+        raise UnderstudyError(f"target {loaded.name!r} has no tokenizer: cannot read text")
+    return loaded
+
+
+@dataclass
+class TrainingText:
+    """The token ids the target reads or continues: corpus sequences, docstring prompts and
+    file openers (head/corpus.py, head/self_text.py)."""
+
+    corpus: str  # the corpus's name: "stdlib" or "data<hash of the files>"
+    sequences: list[list[int]]
+    prompts: list[list[int]]
+    openers: list[list[int]]
+
+    @classmethod
+    def read(
+        cls,
+        tokenizer: Any,
+        data: list[Path] | None,
+        tokens: int,
+        seq_len: int,
+        self_tokens: int,
+        opener_tokens: int,
+        self_len: int,
+    ) -> TrainingText:
+        from understudy.config import UnderstudyError
+        from understudy.head.corpus import stdlib_files, text_files, token_sequences
+        from understudy.head.self_text import docstring_prompts, opener_prompts
+
         if data:
             files = text_files(list(data))
             key = hashlib.sha256("\n".join(str(f) for f in sorted(files)).encode()).hexdigest()
@@ -167,41 +288,49 @@ def train_head_command(
         sequences: list[list[int]] = []
         if tokens:
             count = whole_shards(tokens // seq_len)
-            sequences = list(token_sequences(files, loaded.tokenizer, seq_len, count))
+            sequences = list(token_sequences(files, tokenizer, seq_len, count))
             if len(sequences) < 2:
                 raise UnderstudyError(f"the training data holds under {2 * seq_len} tokens")
         prompts: list[list[int]] = []
         if self_tokens:
             count = whole_shards(self_tokens // self_len)
-            prompts = docstring_prompts(stdlib_files(), loaded.tokenizer, count, self_len - 1)
+            prompts = docstring_prompts(stdlib_files(), tokenizer, count, self_len - 1)
             if len(prompts) < 2:
                 raise UnderstudyError("found under 2 docstring prompts shorter than --self-len")
         openers: list[list[int]] = []
         if opener_tokens:
-            openers = opener_prompts(loaded.tokenizer, whole_shards(opener_tokens // self_len))
-        folder = out or default_head_dir(loaded.name)
-        own = (len(prompts) + len(openers)) * self_len
-        written = f" + {own} the target writes" if own else ""
-        err.print(
-            f"training a head for {loaded.name} on {len(sequences) * seq_len} tokens "
-            f"({corpus}){written}; output: {folder}"
-        )
-        settings = HeadSettings(
-            intermediate_size=intermediate_size,
-            draft_vocab_size=draft_vocab,
-            train=train_cfg,
-            self_len=self_len,
-        )
-        meta = train_head(
-            loaded, sequences, folder, corpus, settings, progress, prompts, init, openers
-        )
-    except (UnderstudyError, FileNotFoundError) as error:
+            openers = opener_prompts(tokenizer, whole_shards(opener_tokens // self_len))
+        return cls(corpus, sequences, prompts, openers)
+
+
+def pack_head_command(
+    folder: Annotated[Path, typer.Argument(help="A trained head's folder (train-head --out).")],
+    out: Annotated[
+        Path | None,
+        typer.Option(help="The packed file. Default: the package's own head, shipped with it."),
+    ] = None,
+) -> None:
+    """Pack a trained head (int4) to ship it: method=eagle then finds it for its target file."""
+    from understudy.cli.common import fail
+    from understudy.config import UnderstudyError
+    from understudy.models.eagle_head import CONFIG_FILE, read_head_config
+    from understudy.models.head_file import pack_head, shipped_head
+
+    if not (folder / CONFIG_FILE).is_file():
+        fail(f"{folder} holds no trained head ({CONFIG_FILE})")
+        return
+    _, meta = read_head_config(folder)
+    sha256 = meta.get("target_sha256")
+    if not isinstance(sha256, str):
+        fail(f"{folder}: its config.json names no target file's sha256 (train it again)")
+        return
+    target = out or shipped_head()
+    try:
+        size = pack_head(folder, target, sha256)
+    except UnderstudyError as error:
         fail(str(error))
         return
-    summary = {
-        k: meta[k]
-        for k in ("tokens", "train_seconds", "val_agree", "draft_vocab_coverage_held_out")
-    }
-    err.print(json.dumps(summary))
-    use = "understudy generate --method eagle" + (f" --draft {folder}" if out else "")
-    err.print(f"saved to {folder}; use it with: {use} 'def fib(n):'")
+    Console(stderr=True, highlight=False).print(
+        f"packed {folder} into {target} ({size / 2**20:.1f} MB) for {meta.get('target')!r} "
+        f"(sha256 {sha256[:16]}...)"
+    )

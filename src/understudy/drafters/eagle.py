@@ -39,8 +39,9 @@ from understudy.config import SamplingParams, UnderstudyError
 from understudy.drafters.base import EMPTY, Proposal, register
 from understudy.drafters.calibration import DoubtRules, RoundRecord, chain_and_tree_options
 from understudy.drafters.tree_search import BestFirstTree, tree_log_scores
-from understudy.models.eagle_head import CONFIG_FILE, EagleHead, load_head, read_head_config
+from understudy.models.eagle_head import CONFIG_FILE, EagleHead, read_head_config
 from understudy.models.fetch import cache_dir
+from understudy.models.head_file import file_sha256, load_any_head, read_packed, shipped_head
 from understudy.models.loader import LoadedModel
 from understudy.models.quant import quantize_model
 from understudy.verify.sampling import sample, warp_probs
@@ -66,18 +67,34 @@ def default_head_dir(target_name: str) -> Path:
 
 
 def find_head(target: LoadedModel, head: str | None) -> Path:
-    """The folder of the head to use: `head` if given, else the default one for the target."""
-    folder = Path(head).expanduser() if head else default_head_dir(target.name)
-    if not (folder / CONFIG_FILE).exists():
-        command = f"understudy train-head --target {target.name}"
-        if head:
-            raise UnderstudyError(
-                f"{folder} holds no trained head (train one: {command} --out {folder})"
-            )
-        raise UnderstudyError(
-            f"no trained head for target {target.name!r} yet: train one with `{command}` "
-            "(about an hour on a 2-core CPU), or pass draft=DIR"
-        )
+    """The head to use, a trained head's folder or a packed head's file: `head` if given;
+    else the one `understudy train-head` wrote to the cache for this target (the user's own
+    training wins); else the package's own (models/head_file.py), where it was trained on
+    this very target file."""
+    train = f"understudy train-head --target {target.name}"
+    if head:
+        path = Path(head).expanduser()
+        if path.is_file():
+            check_packed_head(path, target, train)
+            return path
+        if not (path / CONFIG_FILE).exists():
+            raise UnderstudyError(f"{path} holds no trained head (train one: {train} --out {path})")
+        return check_head_folder(path, target)
+    folder = default_head_dir(target.name)
+    if (folder / CONFIG_FILE).exists():
+        return check_head_folder(folder, target)
+    shipped = shipped_head()
+    if shipped.is_file():
+        check_packed_head(shipped, target, train)
+        return shipped
+    raise UnderstudyError(
+        f"no trained head for target {target.name!r} yet: train one with `{train}` "
+        "(about an hour on a 2-core CPU), or pass draft=DIR"
+    )
+
+
+def check_head_folder(folder: Path, target: LoadedModel) -> Path:
+    """`folder`, once its head's sizes fit the target's."""
     cfg, _ = read_head_config(folder)
     t = target.model.cfg
     if (cfg.hidden_size, cfg.target_vocab_size) != (t.hidden_size, t.vocab_size):
@@ -86,6 +103,17 @@ def find_head(target: LoadedModel, head: str | None) -> Path:
             f"(hidden {cfg.hidden_size}, vocabulary {cfg.target_vocab_size})"
         )
     return folder
+
+
+def check_packed_head(path: Path, target: LoadedModel, train: str) -> None:
+    """Refuse a packed head unless it was trained on the target's own file (by sha256)."""
+    _, sha256, meta = read_packed(path)
+    if file_sha256(target.name) != sha256:
+        raise UnderstudyError(
+            f"the head in {path} belongs to another target file ({meta.get('target')!r}, "
+            f"sha256 {sha256[:16]}...), not to {target.name!r}: train one for it with "
+            f"`{train}` (about an hour on a 2-core CPU), or pass draft=DIR"
+        )
 
 
 @register("eagle")
@@ -111,8 +139,9 @@ class EagleProposer(DoubtRules):
             "draft_path_confidence": "auto",
         }
         opts, tree, branching, confidence, path = chain_and_tree_options("eagle", options, defaults)
-        folder = find_head(target, opts["head"])  # type: ignore[arg-type]
-        head = load_head(folder, target.model)
+        found = find_head(target, opts["head"])  # type: ignore[arg-type]
+        head = load_any_head(found, target.model)
+        target.model.feature_layers = head.cfg.feature_layers  # what its runner keeps
         return cls(head, max_context, tree, branching, confidence, path)
 
     def __init__(
@@ -146,9 +175,11 @@ class EagleProposer(DoubtRules):
         self.record = RoundRecord()
 
     def observe_hidden(self, hidden: torch.Tensor, start: int) -> None:
-        """The target's final hidden states [n, hidden] of positions start..start+n-1."""
+        """What the target's runner kept [n, feature_size] of positions start..start+n-1
+        (its final hidden states, or its feature layers' outputs)."""
         n = hidden.shape[0]
-        self.features[start : start + n] = hidden.float().cpu()
+        with torch.inference_mode():
+            self.features[start : start + n] = self.head.input_features(hidden).float().cpu()
         self.known = start + n
         self.head.truncate(min(self.head.length, start))  # pairs past start used old features
 

@@ -3,10 +3,11 @@
 Layout of the output folder (default: the cache's heads/<target>/, where method="eagle"
 finds it by itself):
     head.safetensors, config.json      the trained head (models/eagle_head.py)
-    features-<corpus>-<T>/             cached target features (head/features.py), reusable
-    features-self-<T>/                 the target's own continuations (head/self_text.py)
-    features-open-<T>/                 ... of prompts it began itself from file openers
+    features-<corpus>-<T><layers>/     cached target features (head/shards.py), reusable
+    features-self-<T><layers>/         the target's own continuations (head/self_text.py)
+    features-open-<T><layers>/         ... of prompts it began itself from file openers
     checkpoint.pt                      the training state, for resuming
+(<layers>: "-layers-1-13-27" where the head reads those layers' outputs, else empty.)
 Every stage resumes: shards already extracted are kept, a checkpoint is continued.
 """
 
@@ -22,17 +23,20 @@ from safetensors.torch import load_file
 from torch import nn
 
 from understudy.config import UnderstudyError
-from understudy.head.features import SHARD, extract, load_shards
-from understudy.head.self_text import OPENER_SAMPLED, extract_self_text
+from understudy.head.features import extract
+from understudy.head.self_text import OPENER_SAMPLED, OPENER_TEMPERATURE
+from understudy.head.shards import SHARD, load_shards
 from understudy.head.train import TrainConfig, choose_vocab, train
 from understudy.models.eagle_head import (
     WEIGHTS_FILE,
     EagleHead,
     HeadConfig,
+    default_feature_layers,
     lm_rows,
     read_head_config,
     save_head,
 )
+from understudy.models.head_file import file_sha256
 from understudy.models.loader import LoadedModel
 from understudy.models.norms import norm_scale
 
@@ -43,6 +47,19 @@ class HeadSettings:
     draft_vocab_size: int = 8192
     train: TrainConfig = TrainConfig()
     self_len: int = 256  # tokens per sequence the target writes itself (prompt included)
+    # the target layers the head reads (EAGLE-3); None: default_feature_layers of the
+    # target (or an --init head's); (): the final hidden state alone
+    feature_layers: tuple[int, ...] | None = None
+
+
+@dataclass(frozen=True)
+class Source:
+    """Text the target reads (or continues) for the head: its prompts and how."""
+
+    name: str  # the shards' folder: features-<name>-<seq_len><layers>
+    prompts: list[list[int]]  # corpus sequences of seq_len tokens, or prompts to continue
+    seq_len: int
+    sampled: int = 0  # tokens sampled after each prompt before the greedy rest
 
 
 def release_layers(target: LoadedModel) -> None:
@@ -51,6 +68,7 @@ def release_layers(target: LoadedModel) -> None:
     model = target.model
     model.layers = nn.ModuleList()
     model.k_cache, model.v_cache = [], []
+    model.fused_stack = None
     gc.collect()
 
 
@@ -69,6 +87,57 @@ def split_held_out(
     n = data["tokens"].shape[0]
     held_out = max(1, min(SHARD, n // 10))
     return {k: v[:-held_out] for k, v in data.items()}, {k: v[-held_out:] for k, v in data.items()}
+
+
+def feature_layers_of(target: LoadedModel, settings: HeadSettings, init: Path | None) -> tuple:
+    """The layers the head reads: an --init head's, else the settings', else the default."""
+    if init is not None:
+        return read_head_config(init)[0].feature_layers
+    if settings.feature_layers is not None:
+        return settings.feature_layers
+    return default_feature_layers(target.model.cfg.num_layers)
+
+
+def read_sources(
+    target: LoadedModel, sources: list[Source], folder: Path, progress: bool
+) -> list[dict[str, torch.Tensor]]:
+    """Each source's shards (extracted where missing), its rows cut to the shortest
+    sequence length when the lengths differ."""
+    layers = target.model.feature_layers
+    tag = "-layers-" + "-".join(map(str, layers)) if layers else ""
+    parts = []
+    for source in sources:
+        shards = folder / f"features-{source.name}-{source.seq_len}{tag}"
+        paths = extract(
+            target.model, source.prompts, source.seq_len, shards, progress,
+            sampled=source.sampled, temperature=OPENER_TEMPERATURE,
+        )  # fmt: skip
+        parts.append(load_shards(paths))
+    shortest = min(source.seq_len for source in sources)
+    return [as_rows(part, shortest) for part in parts]
+
+
+def new_head(
+    target: LoadedModel, settings: HeadSettings, layers: tuple, train_part: dict
+) -> EagleHead:
+    """A fresh head: its draft vocabulary the tokens the target predicts most often, its
+    output norm (and its last tap's, when that is the target's last layer) the target's
+    final norm, so it starts at the scale of what it predicts, reading f as it is."""
+    model = target.model
+    cfg = HeadConfig.for_target(
+        model.cfg, settings.intermediate_size, settings.draft_vocab_size, layers
+    )
+    vocab = choose_vocab(
+        train_part["argmax"], train_part["tokens"], model.cfg.vocab_size, cfg.draft_vocab_size
+    )
+    head = EagleHead(cfg, model.embed)
+    head.vocab.copy_(vocab)
+    head.lm.weight.data = lm_rows(model, vocab).float()
+    with torch.no_grad():
+        head.norm.weight.copy_(norm_scale(model.norm))
+        if layers and layers[-1] == model.cfg.num_layers - 1:
+            head.tap_norms[-1].weight.copy_(norm_scale(model.norm))
+    return head
 
 
 def start_head(target: LoadedModel, init: Path) -> EagleHead:
@@ -101,64 +170,43 @@ def train_head(
     `sequences`: corpus token sequences of one length T. `self_prompts`: prompts the target
     continues itself to `settings.self_len` tokens (head/self_text.py); then both kinds train
     together, corpus sequences cut to that length (T must be a multiple of it). Each source
-    holds out its own last sequences. `init`: start from that trained head (its vocabulary is
-    kept) instead of a fresh one. `opener_prompts`: file openers (self_text.opener_prompts)
-    after which the target samples OPENER_SAMPLED tokens of prompt, then continues greedily;
-    a third source. Releases the target's layers once features are extracted."""
+    holds out its own last sequences. `init`: start from that trained head (its vocabulary
+    and feature layers are kept) instead of a fresh one. `opener_prompts`: file openers
+    (self_text.opener_prompts) after which the target samples OPENER_SAMPLED tokens of
+    prompt, then continues greedily; a third source. Releases the target's layers once
+    features are extracted."""
     self_prompts = self_prompts or []
     opener_prompts = opener_prompts or []
     if len(sequences) + len(self_prompts) + len(opener_prompts) < 2:
         raise ValueError("training a head needs at least 2 sequences (one is held out)")
-    seq_len = len(sequences[0]) if sequences else settings.self_len
+    sources = [
+        Source(name, prompts, length, sampled)
+        for name, prompts, length, sampled in (
+            (corpus, sequences, len(sequences[0]) if sequences else 0, 0),
+            ("self", self_prompts, settings.self_len, 0),
+            ("open", opener_prompts, settings.self_len, OPENER_SAMPLED),
+        )
+        if prompts
+    ]
+    layers = feature_layers_of(target, settings, init)
+    target.model.feature_layers = layers
     t0 = time.perf_counter()
-    parts = []
-    if sequences:
-        paths = extract(target.model, sequences, folder / f"features-{corpus}-{seq_len}", progress)
-        parts.append(load_shards(paths))
-    written = []
-    if self_prompts:
-        self_folder = folder / f"features-self-{settings.self_len}"
-        paths = extract_self_text(
-            target.model, self_prompts, settings.self_len, self_folder, progress
-        )
-        written.append(load_shards(paths))
-    if opener_prompts:
-        paths = extract_self_text(
-            target.model,
-            opener_prompts,
-            settings.self_len,
-            folder / f"features-open-{settings.self_len}",
-            progress,
-            sampled=OPENER_SAMPLED,
-        )
-        written.append(load_shards(paths))
-    if written:
-        parts = [as_rows(p, settings.self_len) for p in parts] + written
+    parts = read_sources(target, sources, folder, progress)
     extract_s = time.perf_counter() - t0
     release_layers(target)
     splits = [split_held_out(p) for p in parts]
     train_part = {k: torch.cat([t[k] for t, _ in splits]) for k in parts[0]}
     val_part = {k: torch.cat([v[k] for _, v in splits]) for k in parts[0]}
-    model = target.model
     if init is not None:
         head = start_head(target, init)
-        cfg, vocab = head.cfg, head.vocab
     else:
-        cfg = HeadConfig.for_target(
-            model.cfg, settings.intermediate_size, settings.draft_vocab_size
-        )
-        vocab = choose_vocab(
-            train_part["argmax"], train_part["tokens"], model.cfg.vocab_size, cfg.draft_vocab_size
-        )
-        head = EagleHead(cfg, model.embed)
-        head.vocab.copy_(vocab)
-        head.lm.weight.data = lm_rows(model, vocab).float()
-        with torch.no_grad():  # start at the scale of the features it predicts
-            head.norm.weight.copy_(norm_scale(model.norm))
-    coverage = float(torch.isin(val_part["argmax"].long(), vocab).float().mean())
+        head = new_head(target, settings, layers, train_part)
+    coverage = float(torch.isin(val_part["argmax"].long(), head.vocab).float().mean())
     facts = train(head, train_part, val_part, settings.train, folder, progress)
+    seq_len = len(sequences[0]) if sequences else settings.self_len
     meta = {
         "target": target.name,
+        "target_sha256": file_sha256(target.name),
         "corpus": corpus if sequences else "self",
         "sequence_length": seq_len,
         "sequences": len(sequences),
@@ -168,6 +216,7 @@ def train_head(
         "opener_sequences": len(opener_prompts),
         "opener_tokens": len(opener_prompts) * settings.self_len,
         "init": str(init) if init is not None else None,
+        "feature_layers": list(layers),
         "extract_seconds_this_run": round(extract_s, 1),
         "draft_vocab_coverage_held_out": round(coverage, 4),
         "settings": asdict(settings),

@@ -1,6 +1,7 @@
 """Train an EagleHead on cached target features (head/features.py): distillation.
 
-For pair t (f_t, token t+1) the head predicts f^_{t+1}. Two losses, both against the
+For pair t (g_t, token t+1) the head predicts f^_{t+1} (g_t: f_t, or with feature layers the
+fused outputs the shards keep as "kept", models/eagle_head.py). Two losses, both against the
 target's own outputs, never against the corpus text:
   - classification: cross-entropy between the target's next-token distribution,
     softmax(lm(f_{t+1})), and the head's, softmax(lm(f^_{t+1})), both over the draft
@@ -111,11 +112,15 @@ def unrolled_losses(
     feature_scale: float,
     reg_weight: float,
     feature_noise: float = 0.0,
+    kept: torch.Tensor | None = None,  # [B, T, F] float32: the feature layers' outputs
 ) -> tuple[torch.Tensor, list[float]]:
-    """Total loss over `unroll` steps and the argmax agreement at each step. `feature_noise`
-    (see TrainConfig) perturbs the real input features only, never the targets."""
+    """Total loss over `unroll` steps and the argmax agreement at each step. The head reads
+    `kept` where it has feature layers, else the final features. `feature_noise` (see
+    TrainConfig) perturbs the real input features only, never the targets."""
     # target at step s for input pair t: f_{t+s}, distribution of token t+s+1
-    inputs = features[:, :-1]  # [B, T-1, H] f_t
+    assert (kept is None) == (not head.cfg.feature_layers), "the head reads kept features"
+    real_inputs = features if kept is None else kept
+    inputs = head.input_features(real_inputs[:, :-1])  # [B, T-1, H] g_t
     if feature_noise > 0:
         noise = torch.rand_like(inputs).sub_(0.5).mul_(2 * feature_noise * feature_scale)
         inputs = inputs + noise  # [B, T-1, H]
@@ -142,6 +147,30 @@ def unrolled_losses(
     return total / unroll, agree
 
 
+def batch_losses(
+    head: EagleHead,
+    data: dict[str, torch.Tensor],
+    rows: torch.Tensor | slice,
+    cfg: TrainConfig,
+    feature_scale: float,
+    feature_noise: float = 0.0,
+) -> tuple[torch.Tensor, list[float]]:
+    """`unrolled_losses` over the sequences `rows` of `data` (shards' tensors, any dtype; the
+    feature layers' outputs read where the data holds them)."""
+    kept = data.get("kept")
+    return unrolled_losses(
+        head,
+        data["tokens"][rows].long(),
+        data["features"][rows].float(),
+        data["argmax"][rows].long(),
+        cfg.unroll,
+        feature_scale,
+        cfg.reg_weight,
+        feature_noise,
+        None if kept is None else kept[rows].float(),
+    )
+
+
 @torch.no_grad()
 def evaluate(
     head: EagleHead, data: dict[str, torch.Tensor], cfg: TrainConfig, feature_scale: float
@@ -150,15 +179,7 @@ def evaluate(
     sums: list[float] = []
     n = data["tokens"].shape[0]
     for i in range(n):
-        _, agree = unrolled_losses(
-            head,
-            data["tokens"][i : i + 1].long(),
-            data["features"][i : i + 1].float(),
-            data["argmax"][i : i + 1].long(),
-            cfg.unroll,
-            feature_scale,
-            cfg.reg_weight,
-        )
+        _, agree = batch_losses(head, data, slice(i, i + 1), cfg, feature_scale)
         sums = [a + b for a, b in zip(sums, agree, strict=True)] if sums else agree
     return [s / max(1, n) for s in sums]
 
@@ -213,15 +234,8 @@ def train(
         for group in optimizer.param_groups:
             group["lr"] = _lr_at(step, total_steps, cfg)
         with training_autocast(cfg.precision, head.fc.weight.device):
-            loss, agree = unrolled_losses(
-                head,
-                train_data["tokens"][rows].long(),
-                train_data["features"][rows].float(),
-                train_data["argmax"][rows].long(),
-                cfg.unroll,
-                feature_scale,
-                cfg.reg_weight,
-                cfg.feature_noise,
+            loss, agree = batch_losses(
+                head, train_data, rows, cfg, feature_scale, cfg.feature_noise
             )
         optimizer.zero_grad()
         loss.backward()

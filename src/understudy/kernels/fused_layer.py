@@ -198,16 +198,22 @@ class FusedStack:
         k_caches: list[torch.Tensor],  # each [Hkv, S, D]
         v_caches: list[torch.Tensor],
         mask: torch.Tensor,  # [R, L] bool: row r sees slot j
+        layers: slice = slice(None),
     ) -> bool:
-        """x after every layer; False (x unchanged) when some row's keys are not one run."""
+        """x after every layer (or only `layers`, a run of them: a stack split in several
+        calls runs the same calls in C); False (x unchanged) when some row's keys are not
+        one run."""
         assert x.is_contiguous() and x.dtype == torch.float32 and mask.dtype == torch.bool
         cos, sin, mask = cos.contiguous(), sin.contiguous(), mask.contiguous()
         slots = slots.to(torch.long).contiguous()
-        n = len(self.layers)
-        keys = (ctypes.c_void_p * n)(*[k.data_ptr() for k in k_caches])
-        values = (ctypes.c_void_p * n)(*[v.data_ptr() for v in v_caches])
+        first, end, step = layers.indices(len(self.layers))
+        n = end - first
+        assert step == 1 and n > 0, layers
+        keys = (ctypes.c_void_p * n)(*[k.data_ptr() for k in k_caches[first:end]])
+        values = (ctypes.c_void_p * n)(*[v.data_ptr() for v in v_caches[first:end]])
+        pointers = ctypes.addressof(self.pointers) + first * ctypes.sizeof(ctypes.c_void_p)
         code = self.lib.understudy_layers(
-            self.pointers, n, self.attend, x.data_ptr(), x.shape[0], cos.data_ptr(),
+            pointers, n, self.attend, x.data_ptr(), x.shape[0], cos.data_ptr(),
             sin.data_ptr(), slots.data_ptr(), keys, values, k_caches[0].shape[1],
             mask.data_ptr(), mask.shape[1], self.scale, torch.get_num_threads(),
         )  # fmt: skip

@@ -197,6 +197,10 @@ class Attention(nn.Module):
             length = mask.shape[-1]
             keys = region_view(k_cache, rows, regions, length)  # [R, Hkv, L, D]
             values = region_view(v_cache, rows, regions, length)
+            if self.span_rows and self.softcap is None:  # a decode pass's kernel, any rows
+                scored = span_attention(q, keys, values, mask, self.row_scale)
+                if scored is not None:
+                    return scored  # [R, H, D]: bitwise each row's own decode pass
             gqa = self.cfg.num_heads != self.cfg.num_kv_heads
             out = self.attend(q.transpose(0, 1)[:, :, None], keys, values, mask[:, None, None], gqa)
             return out[:, :, 0]  # [R, H, D]

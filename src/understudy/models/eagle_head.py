@@ -3,16 +3,21 @@
 
 Vocabulary: f_t is the target's final hidden state at position t (after its last norm, the
 input of its LM head), so lm_head(f_t) are the target's logits for token t+1. The head maps
-the pair (f_t, token t+1) to a prediction of f_{t+1}, whose logits guess token t+2:
+the pair (g_t, token t+1) to a prediction of f_{t+1}, whose logits guess token t+2:
 
-    x   = fc([emb_norm(embed(token_{t+1})), feat_norm(f_t)])       [R, hidden]
+    g_t = f_t, or with feature layers (EAGLE-3, Li et al. 2025) the target's residual stream
+          after a low, a middle and a high layer, each normed, side by side, through `fuse`:
+          fuse([tap_norm_i(h_t^(l_i))])                             [R, hidden]
+    x   = fc([emb_norm(embed(token_{t+1})), feat_norm(g_t)])       [R, hidden]
     x   = one decoder block (causal attention over earlier pairs)   [R, hidden]
     f^  = norm(x)                                                   [R, hidden]
     q   = lm(f^)   over a reduced draft vocabulary of N token ids   [R, N]
 
 `lm` holds rows of the target's own LM head (frozen, not saved: rebuilt from the target at
 load) for the N token ids the target predicts most often (`vocab`), which cuts the head's
-largest cost. To draft several tokens the head feeds its own f^ back as the next feature.
+largest cost. To draft several tokens the head feeds its own f^ back as the next g (EAGLE-3's
+training-time test teaches it to read both kinds). `input_features` makes g from what the
+target's runner keeps (models/runner.py `last_hidden`: f, or the feature layers' outputs).
 
 The block is models/transformer.py's Block (the same attention and MLP code as the target),
 with its own slot-indexed KV cache of pairs: pair p (feature of position p, token p + 1)
@@ -49,11 +54,33 @@ class HeadConfig:
     rms_norm_eps: float = 1e-6
     rope_theta: float = 10000.0
     attention_bias: bool = True
+    # the target layers whose outputs are the head's features, ascending (() = the target's
+    # final hidden state); see default_feature_layers
+    feature_layers: tuple[int, ...] = ()
+
+    def __post_init__(self) -> None:
+        layers = tuple(int(i) for i in self.feature_layers)  # a JSON list comes back as list
+        object.__setattr__(self, "feature_layers", layers)
+        if list(layers) != sorted(set(layers)) or any(i < 0 for i in layers):
+            raise ValueError(f"feature_layers must be ascending layer indices, got {layers}")
+
+    @property
+    def feature_size(self) -> int:
+        """Width of what the head reads from the target a position (Runner.last_hidden)."""
+        return self.hidden_size * max(1, len(self.feature_layers))
 
     @classmethod
     def for_target(
-        cls, target: TransformerConfig, intermediate: int, draft_vocab: int
+        cls,
+        target: TransformerConfig,
+        intermediate: int,
+        draft_vocab: int,
+        feature_layers: tuple[int, ...] = (),
     ) -> HeadConfig:
+        if feature_layers and feature_layers[-1] >= target.num_layers:
+            raise ValueError(
+                f"feature layer {feature_layers[-1]} past the target's {target.num_layers}"
+            )
         return cls(
             hidden_size=target.hidden_size,
             intermediate_size=intermediate,
@@ -65,6 +92,7 @@ class HeadConfig:
             rms_norm_eps=target.rms_norm_eps,
             rope_theta=target.rope_theta,
             attention_bias=target.attention_bias,
+            feature_layers=feature_layers,
         )
 
     def block_config(self) -> TransformerConfig:
@@ -82,6 +110,13 @@ class HeadConfig:
         )
 
 
+def default_feature_layers(num_layers: int) -> tuple[int, ...]:
+    """EAGLE-3's low, middle and high layers of a target of `num_layers`: the second, the one
+    before the middle, and the last (whose output, normed, is f itself: `fuse` starts as
+    that alone, so training starts from the final-feature head and adds the others)."""
+    return tuple(sorted({min(1, num_layers - 1), max(0, num_layers // 2 - 1), num_layers - 1}))
+
+
 class EagleHead(nn.Module):
     """See the module docstring. `embed` is the target's token embedding (shared, frozen)."""
 
@@ -90,6 +125,13 @@ class EagleHead(nn.Module):
         self.cfg = cfg
         h = cfg.hidden_size
         self.embed = [embed]  # a list: the target's module, not a submodule of the head
+        taps = len(cfg.feature_layers)
+        if taps:  # EAGLE-3 features: each layer's output normed, then fused
+            self.tap_norms = nn.ModuleList(RMSNorm(h, cfg.rms_norm_eps) for _ in range(taps))
+            self.fuse = nn.Linear(taps * h, h, bias=False)
+            with torch.no_grad():  # start as the last tap alone (default_feature_layers)
+                self.fuse.weight.zero_()
+                self.fuse.weight[:, (taps - 1) * h :].copy_(torch.eye(h))
         self.emb_norm = RMSNorm(h, cfg.rms_norm_eps)
         self.feat_norm = RMSNorm(h, cfg.rms_norm_eps)
         self.fc = nn.Linear(2 * h, h, bias=False)
@@ -112,10 +154,18 @@ class EagleHead(nn.Module):
         dtype = self.norm.weight.dtype
         return emb.cos().to(dtype), emb.sin().to(dtype)
 
+    def input_features(self, kept: torch.Tensor) -> torch.Tensor:
+        """What the target's runner kept [..., feature_size] -> the head's g [..., hidden]."""
+        if not self.cfg.feature_layers:
+            return kept
+        h = self.cfg.hidden_size
+        parts = [norm(kept[..., i * h : (i + 1) * h]) for i, norm in enumerate(self.tap_norms)]
+        return self.fuse(torch.cat(parts, dim=-1))
+
     def step(
         self,
         tokens: torch.Tensor,  # [R] token t+1 of each pair
-        features: torch.Tensor,  # [R, hidden] f_t of each pair
+        features: torch.Tensor,  # [R, hidden] g_t of each pair
         positions: torch.Tensor,  # [R]
         slots: torch.Tensor,  # [R]
         mask: torch.Tensor,  # [R, L]

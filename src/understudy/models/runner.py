@@ -70,7 +70,9 @@ class Runner:
         self.window: int | None = None  # fixed key window for this request (None: grows)
         # keep_hidden: remember the final hidden states of the real rows of the latest pass
         # (the whole prompt after `prefill`; a tree pass's nodes in tree order) in
-        # `last_hidden` [n, hidden], for method="eagle"
+        # `last_hidden` [n, hidden], for method="eagle"; where the model names feature
+        # layers (Transformer.feature_layers), their outputs instead, side by side
+        # [n, layers * hidden]
         self.keep_hidden = False
         self.last_hidden: torch.Tensor | None = None
         if model.cache_slots < first_slot + self.slots:
@@ -122,21 +124,22 @@ class Runner:
         key_slots: torch.Tensor | None = None,
         split: SplitKeys | None = None,
     ) -> torch.Tensor:
-        """Transformer.forward; with keep_hidden, the final hidden states of the first `n`
-        (real) rows are kept in `last_hidden` [n, hidden] (the same operations). A runner
-        whose region starts past slot 0 attends through one KeyGroup (models/key_groups.py):
-        the same keys in the same order, from its own region."""
+        """Transformer.forward; with keep_hidden, the first `n` (real) rows' features are
+        kept in `last_hidden` (see __init__; the same operations). A runner whose region
+        starts past slot 0 attends through one KeyGroup (models/key_groups.py): the same
+        keys in the same order, from its own region."""
         if not self.keep_hidden and not self.first_slot:
             return self.model(tokens, positions, slots, mask, logit_rows, key_slots, split)
         groups = None
         if self.first_slot:
             groups = [KeyGroup(slice(0, tokens.shape[0]), self.first_slot, mask, key_slots)]
             key_slots = None
+        taps: list[torch.Tensor] | None = [] if self.keep_hidden else None
         hidden = self.model.hidden_states(
-            tokens, positions, slots, mask, key_slots, split, groups=groups
+            tokens, positions, slots, mask, key_slots, split, groups=groups, features=taps
         )
         if self.keep_hidden:
-            self.last_hidden = hidden[:n]
+            self.last_hidden = (torch.cat(taps, dim=-1) if taps else hidden)[:n]
         rows = hidden if logit_rows is None else hidden[logit_rows]
         return self.model.logits(rows)  # [R, V] float32 (final soft cap included)
 

@@ -171,6 +171,10 @@ class Transformer(nn.Module):
         # every layer in one C call a pass where all are fused (kernels/fused_layer.py), set
         # by the engine builder; hidden_states takes it for the passes it computes
         self.fused_stack: FusedStack | None = None
+        # the layers whose outputs (the residual stream after them) a pass hands out when
+        # asked (hidden_states' `features`): EAGLE-3's low, middle and high features for
+        # method="eagle" (models/eagle_head.py), set by the drafter that reads them; ()=none
+        self.feature_layers: tuple[int, ...] = ()
 
     # (the final norm's weight, not the embedding's: an embedding from GGUF blocks,
     # kernels/qgemm.py, has no dense weight to ask)
@@ -225,12 +229,15 @@ class Transformer(nn.Module):
         split: SplitKeys | None = None,
         regions: int | None = None,
         groups: list[KeyGroup] | None = None,
+        features: list[torch.Tensor] | None = None,
     ) -> torch.Tensor:
         """Run the layers; write the rows' keys/values into `slots`. Returns [R, hidden].
         `regions` (batch work, head/self_text.py): row r attends to its own region of the
         cache only, slots r * regions .. r * regions + L - 1 under mask [R, L]. `groups` (a
         pass shared by several sequences, models/key_groups.py): each group's rows attend
-        to their own region under their own mask; `mask` is then unused."""
+        to their own region under their own mask; `mask` is then unused. `features` (a
+        list): the output of each of `feature_layers` [R, hidden] is appended, in order;
+        taking them changes no bit of the pass."""
         x = self.embed_tokens(tokens)
         ropes = [rotary(positions, self.dtype) for rotary in self.rotaries]
         views = [(mask, split, groups)]  # [full attention, sliding window]
@@ -257,9 +264,10 @@ class Transformer(nn.Module):
         if stack_takes_it:  # all rows over their one run of keys, by span_attention
             x = x.contiguous()
             cos, sin = ropes[0]
-            if self.fused_stack.run(x, cos, sin, slots, self.k_cache, self.v_cache, mask):
+            if self._stacked(x, cos, sin, slots, mask, features):
                 return self.norm(x)
-        for layer, k_cache, v_cache in zip(self.layers, self.k_cache, self.v_cache, strict=True):
+        layers = zip(self.layers, self.k_cache, self.v_cache, strict=True)
+        for index, (layer, k_cache, v_cache) in enumerate(layers):
             cos, sin = ropes[layer.rope]
             layer_mask, layer_split, layer_groups = views[layer.sliding]
             if layer.fused is not None:
@@ -267,15 +275,43 @@ class Transformer(nn.Module):
                 out = layer.attn.attend_rows(
                     q, k_cache, v_cache, layer_mask, key_slots, layer_split, regions, layer_groups
                 )  # [R, H, D]
-                x = layer.fused.output(x, out)
-                continue
-            attn = layer.attn(
-                layer.attn_norm(x), cos, sin, slots, layer_mask, k_cache, v_cache, key_slots,
-                layer_split, regions, layer_groups,
-            )  # fmt: skip
-            x = x + layer.post_attn_norm(attn)
-            x = x + layer.post_mlp_norm(layer.mlp(layer.mlp_norm(x)))
+                x = layer.fused.output(x, out)  # in place
+            else:
+                attn = layer.attn(
+                    layer.attn_norm(x), cos, sin, slots, layer_mask, k_cache, v_cache,
+                    key_slots, layer_split, regions, layer_groups,
+                )  # fmt: skip
+                x = x + layer.post_attn_norm(attn)
+                x = x + layer.post_mlp_norm(layer.mlp(layer.mlp_norm(x)))
+            if features is not None and index in self.feature_layers:
+                features.append(x.clone())  # [R, hidden]
         return self.norm(x)
+
+    def _stacked(
+        self,
+        x: torch.Tensor,  # [R, hidden] float32, contiguous: changed in place
+        cos: torch.Tensor,  # [R, D]
+        sin: torch.Tensor,
+        slots: torch.Tensor,  # [R]
+        mask: torch.Tensor,  # [R, L]
+        features: list[torch.Tensor] | None,
+    ) -> bool:
+        """x through every layer by the fused stack: one C call, or with `features` one per
+        run of layers ending at a feature layer (whose output is appended); the same calls
+        in C either way. False, x unchanged, where some row's keys are not one run."""
+        stack = self.fused_stack
+        assert stack is not None
+        taps = self.feature_layers if features is not None else ()
+        start = 0
+        for end in sorted({i + 1 for i in taps} | {len(self.layers)}):
+            run = slice(start, end)
+            if not stack.run(x, cos, sin, slots, self.k_cache, self.v_cache, mask, run):
+                assert start == 0, "a later run of layers sees the keys the first saw"
+                return False
+            if features is not None and end - 1 in taps:
+                features.append(x.clone())  # [R, hidden]
+            start = end
+        return True
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[R, hidden] final hidden states -> [R, vocab] float32 logits (capped for Gemma 2)."""

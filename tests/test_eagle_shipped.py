@@ -1,0 +1,145 @@
+"""The head that ships with the package (models/head_file.py): packed to int4 with its scales,
+bound by sha256 to the target file it was trained on, found by method="eagle" with no
+draft= given, refused for any other file, and outranked by a head the user trained into
+the cache. A tiny GGUF target on its own blocks stands in for the packaged one."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from eagle_helpers import SETTINGS
+from gguf_helpers import KERNEL_LAYER_TYPES, write_tiny_qwen2_gguf
+from test_cli import cli
+from understudy import Engine, SamplingParams, UnderstudyError
+from understudy.drafters import eagle
+from understudy.drafters.eagle import default_head_dir
+from understudy.head.lockstep import decode_in_lockstep, prepare_target
+from understudy.head.pipeline import HeadSettings, train_head
+from understudy.kernels import qgemm
+from understudy.models import head_file
+from understudy.models.head_file import file_sha256, load_packed_head, pack_head, read_packed
+from understudy.models.loader import load_model
+from understudy.models.quant import dequantize_int4, quantize_int4
+
+pytestmark = [
+    pytest.mark.skipif(not qgemm.available(), reason="qgemm cannot be built here"),
+    pytest.mark.usefixtures("one_thread"),
+]
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, Path, Path]:
+    """(target .gguf, a head trained for it, that head packed)."""
+    root = tmp_path_factory.mktemp("shipped")
+    target = str(write_tiny_qwen2_gguf(root / "t.gguf", seed=3, layer_types=KERNEL_LAYER_TYPES,
+                                       layers=3, head_scale=30.0))  # fmt: skip
+    model = load_model(target).model
+    prepare_target(model)
+    gen = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(1, 300, (6,), generator=gen).tolist() for _ in range(32)]
+    sequences = decode_in_lockstep(model, prompts, 48).tokens.tolist()
+    settings = HeadSettings(96, 256, SETTINGS.train)
+    meta = train_head(load_model(target), sequences, root / "head", "t", settings, False)
+    assert meta["target_sha256"] == file_sha256(target) and meta["feature_layers"] == [0, 1, 2]
+    packed = root / "packed.safetensors"
+    pack_head(root / "head", packed, str(meta["target_sha256"]))
+    return target, root / "head", packed
+
+
+def test_packed_weights_are_the_int4_codes_and_scales(trained):
+    """Every linear comes back as exactly its int4 (group 32) dequantization; norms, biases
+    and the vocabulary as trained; the config and the target's digest ride along; the LM
+    rows are not in the file."""
+    target, folder, packed = trained
+    cfg, sha256, meta = read_packed(packed)
+    assert sha256 == file_sha256(target) and cfg.feature_layers == (0, 1, 2)
+    assert meta["feature_layers"] == [0, 1, 2]
+    assert not any(name.startswith("lm.") for name in load_file(str(packed)))
+    state = load_file(str(folder / "head.safetensors"))
+    head = load_packed_head(packed, load_model(target).model)
+    loaded = head.state_dict()
+    for name, value in state.items():
+        if value.ndim == 2 and name != "vocab":
+            want = dequantize_int4(*quantize_int4(value.float(), head_file.GROUP))
+            assert torch.equal(loaded[name], want), name
+        else:
+            assert torch.equal(loaded[name], value), name
+
+
+def test_method_eagle_finds_the_shipped_head_for_its_file(trained, monkeypatch, tmp_path):
+    """No draft= and no head in the cache: the packed head of the target's own file drafts,
+    and greedy output is plain decoding's."""
+    target, _, packed = trained
+    monkeypatch.setattr(eagle, "shipped_head", lambda: packed)
+    monkeypatch.setenv("UNDERSTUDY_CACHE", str(tmp_path))
+    engine = Engine.from_pretrained(target=target, method="eagle", max_context=256)
+    assert engine.target.model.feature_layers == (0, 1, 2)
+    plain = engine.with_method("none")
+    params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    accepted = 0
+    for prompt in ([5, 6, 7, 8], [100, 3, 250]):
+        out = engine.generate(prompt, params)
+        assert out.token_ids == plain.generate(prompt, params).token_ids
+        accepted += out.stats.accepted
+    assert accepted > 0
+
+
+def test_a_shipped_head_of_another_file_is_refused(trained, monkeypatch, tmp_path):
+    """The packed head of one file, asked for by another (the same network written again:
+    another file), is refused with a line that says whose it is and how to train one."""
+    target, _, packed = trained
+    other = write_tiny_qwen2_gguf(tmp_path / "other.gguf", seed=4, layer_types=KERNEL_LAYER_TYPES,
+                                  layers=3)  # fmt: skip
+    monkeypatch.setattr(eagle, "shipped_head", lambda: packed)
+    monkeypatch.setenv("UNDERSTUDY_CACHE", str(tmp_path))
+    with pytest.raises(UnderstudyError, match="belongs to another target file.*train-head"):
+        Engine.from_pretrained(target=str(other), method="eagle", max_context=256)
+    with pytest.raises(UnderstudyError, match="belongs to another target file"):
+        Engine.from_pretrained(target=str(other), method="eagle", draft=str(packed))
+    monkeypatch.setattr(eagle, "shipped_head", lambda: tmp_path / "absent.safetensors")
+    with pytest.raises(UnderstudyError, match="no trained head for target"):
+        Engine.from_pretrained(target=str(other), method="eagle", max_context=256)
+
+
+def test_a_head_trained_into_the_cache_outranks_the_shipped_one(trained, monkeypatch, tmp_path):
+    target, folder, packed = trained
+    monkeypatch.setattr(eagle, "shipped_head", lambda: packed)
+    monkeypatch.setenv("UNDERSTUDY_CACHE", str(tmp_path))
+    loaded = load_model(target)
+    assert eagle.find_head(loaded, None) == packed
+    mine = default_head_dir(loaded.name)
+    mine.mkdir(parents=True)
+    for name in ("head.safetensors", "config.json"):
+        (mine / name).write_bytes((folder / name).read_bytes())
+    assert eagle.find_head(loaded, None) == mine
+    assert eagle.find_head(loaded, str(packed)) == packed  # draft= names it
+
+
+def test_packing_refuses_what_the_package_cannot_carry(trained, monkeypatch, tmp_path):
+    target, folder, _ = trained
+    monkeypatch.setattr(head_file, "MAX_BYTES", 1000)
+    out = tmp_path / "big.safetensors"
+    with pytest.raises(UnderstudyError, match="over 0 MB"):
+        pack_head(folder, out, "0" * 64)
+    assert not out.exists() and not out.with_suffix(".tmp").exists()
+
+
+def test_pack_head_from_the_command_line(trained, tmp_path):
+    target, folder, _ = trained
+    out = tmp_path / "cli.safetensors"
+    made = cli("pack-head", str(folder), "--out", str(out))
+    assert made.returncode == 0, made.stderr
+    assert read_packed(out)[1] == file_sha256(target)
+    unbound = tmp_path / "unbound"
+    unbound.mkdir()
+    config = json.loads((folder / "config.json").read_text())
+    config["meta"].pop("target_sha256")
+    (unbound / "config.json").write_text(json.dumps(config))
+    (unbound / "head.safetensors").write_bytes((folder / "head.safetensors").read_bytes())
+    bad = cli("pack-head", str(unbound), "--out", str(tmp_path / "x.safetensors"))
+    assert bad.returncode == 2 and "sha256" in " ".join(bad.stderr.split())
