@@ -214,7 +214,7 @@ def test_quantizing_twice(tiny_draft, tmp_path):
 def test_from_pretrained_quantizes_the_draft(tiny_pair, tmp_path, monkeypatch):
     """The factory's path: draft_quantization="auto" quantizes the draft on a CPU (the target
     never), caching the packing; None keeps it dense."""
-    from understudy.engine.builder import DEFAULT_CPU_DRAFT_QUANTIZATION
+    from understudy.engine.draft_setup import DEFAULT_CPU_DRAFT_QUANTIZATION
 
     monkeypatch.setenv("UNDERSTUDY_CACHE", str(tmp_path))
     target, draft = tiny_pair

@@ -212,7 +212,7 @@ def test_a_disconnected_stream_frees_its_seat_and_a_full_batch_says_429(engine):
         again = httpx.post(url + "/v1/completions", json=short, timeout=60)
         assert again.status_code == 200 and again.json()["usage"]["completion_tokens"] == 5
         assert httpx.get(url + "/health").json()["kv_bytes_per_seq"] == kv_bytes_per_seat(
-            engine.batch.seats
+            engine.scheduler.seats
         )
 
 
@@ -260,7 +260,7 @@ def test_an_engine_fault_in_one_sequence_fails_it_alone_and_gives_its_seat_back(
     try:
         with serve_in_thread(app) as url:
             want = httpx.post(url + "/v1/completions", json=good, timeout=60).json()
-            bodies = [good, {**good, "prompt": "# fault"}] * (len(engine.batch.seats) + 1)
+            bodies = [good, {**good, "prompt": "# fault"}] * (len(engine.scheduler.seats) + 1)
             with ThreadPoolExecutor(4) as pool:
                 answers = list(
                     pool.map(lambda b: httpx.post(url + "/v1/completions", json=b, timeout=60),
@@ -273,9 +273,9 @@ def test_an_engine_fault_in_one_sequence_fails_it_alone_and_gives_its_seat_back(
                     assert response.status_code == 500, response.text
             health = httpx.get(url + "/health").json()
             assert (health["running"], health["waiting"]) == (0, 0)
-            every_seat = {**good, "n": len(engine.batch.seats), "temperature": 1.0, "seed": 1}
+            every_seat = {**good, "n": len(engine.scheduler.seats), "temperature": 1.0, "seed": 1}
             response = httpx.post(url + "/v1/completions", json=every_seat, timeout=60)
-            assert response.json()["usage"]["completion_tokens"] == 12 * len(engine.batch.seats)
-            assert len(engine.batch.free) == len(engine.batch.seats)
+            assert response.json()["usage"]["completion_tokens"] == 12 * len(engine.scheduler.seats)
+            assert len(engine.scheduler.free) == len(engine.scheduler.seats)
     finally:
         del engine._prefill  # the class's method again

@@ -9,8 +9,11 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from typing import Literal
 
 MAX_SPECULATIVE_TOKENS = 64
+TreeMode = Literal["off", "on", "auto"]  # whether a drafter's rounds may be token trees
+TREE_MODES: tuple[TreeMode, ...] = ("off", "on", "auto")
 MAX_LOGPROBS = 20  # alternatives per token, as vLLM's default limit
 # The smallest positive temperature: logits are divided by it in float32, and below the
 # smallest normal float32 number the divisor would round to 0 (a NaN, not a distribution).

@@ -20,14 +20,8 @@ from dataclasses import dataclass, field
 
 from understudy.config import UnderstudyError, parse_num_speculative_tokens, parse_option_value
 from understudy.drafters import DRAFTERS
-from understudy.engine.builder import (
-    EngineSpec,
-    LoadedModels,
-    assemble,
-    default_draft,
-    load_draft,
-    resolve_draft_quantization,
-)
+from understudy.engine.builder import EngineSpec, LoadedModels, assemble
+from understudy.engine.draft_setup import default_draft, load_draft, resolve_draft_quantization
 from understudy.engine.engine import Engine
 from understudy.models.loader import LoadedModel, load_model
 from understudy.models.registry import DEFAULT_TARGET

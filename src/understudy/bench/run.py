@@ -44,7 +44,7 @@ from understudy.bench.prompts import (
 from understudy.bench.report import NOTES, markdown_table, rich_table
 from understudy.bench.summary import identity_flags, summarize
 from understudy.config import SamplingParams, UnderstudyError, parse_num_speculative_tokens
-from understudy.engine.builder import resolve_draft_quantization
+from understudy.engine.draft_setup import resolve_draft_quantization
 from understudy.models.registry import DEFAULT_TARGET
 
 WARMUP_TOKENS = 4

@@ -130,7 +130,7 @@ class VllmSetup:
 def prepare(labels: list[str], target: str | None, draft: str | None) -> VllmSetup:
     """Find vLLM and make its weights (once), before any server starts."""
     from understudy.bench.vllm_weights import peer_weights
-    from understudy.engine.builder import default_draft
+    from understudy.engine.draft_setup import default_draft
     from understudy.models.registry import DEFAULT_TARGET
 
     python = find_python()

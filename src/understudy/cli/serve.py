@@ -198,7 +198,7 @@ def serve(
     shown = f"[{host}]" if ":" in host else host
     err.print(
         f"serving [bold]{name}[/bold] ({engine.method}, k={engine.k}, "
-        f"{len(engine.batch.seats)} seqs at once) on "
+        f"{len(engine.scheduler.seats)} seqs at once) on "
         f"http://{shown}:{port}/v1   Lab: http://{shown}:{port}/lab"
         + ("   (API key required)" if api_key else "")
     )

@@ -27,7 +27,7 @@ AUTO_SEATS = 8
 
 def can_batch(runner: Runner, drafter: Drafter | None) -> bool:
     """Whether sequences on `runner` can share target passes with this drafter."""
-    return shares_passes(runner) and (drafter is None or drafter.batches)
+    return shares_passes(runner) and (drafter is None or drafter.traits.batches)
 
 
 def make_seats(runner: Runner, drafter: Drafter | None, count: int | str) -> list[Seat]:

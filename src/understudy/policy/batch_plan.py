@@ -27,51 +27,26 @@ request gives the same text batched as alone.
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-import torch
-
-from understudy.models.runner import Runner
-from understudy.models.shared_pass import extend_together
-from understudy.policy.costs import CONTEXT, MEASURE_SPAN
-
-
-@dataclass(frozen=True)
-class Curve:
-    """Seconds of one pass by its rows, measured at `points` rows, linear in between and
-    beyond the last two points."""
-
-    points: tuple[int, ...]
-    seconds: tuple[float, ...]
-
-    def __call__(self, rows: float) -> float:
-        if rows <= 0:
-            return 0.0
-        xs, ys = self.points, self.seconds
-        if len(xs) == 1:
-            return ys[0] * rows / xs[0]
-        for i in range(1, len(xs)):
-            if rows <= xs[i] or i == len(xs) - 1:
-                slope = (ys[i] - ys[i - 1]) / (xs[i] - xs[i - 1])
-                return max(ys[i - 1] + slope * (rows - xs[i - 1]), 0.0)
-        raise AssertionError("unreachable")
+from understudy.policy.costs import PassCurve
 
 
 @dataclass(frozen=True)
 class BatchCosts:
-    target: Curve  # one target pass, by its rows (all sequences together)
-    draft: Curve | None  # one draft step, by the sequences sharing it (None: a free drafter)
+    target: PassCurve  # one target pass, by its rows (all sequences together)
+    draft: PassCurve | None  # one draft step, by the sequences sharing it (None: free)
 
     def draft_seconds(self, lengths: list[int], first_rows: list[float]) -> float:
         """Draft passes for chains of these lengths, one pass per depth shared by all the
         chains that reach it; the first holds first_rows[i] rows of each drafting chain."""
         if self.draft is None or not lengths or max(lengths) == 0:
             return 0.0
+        draft = self.draft
         first = sum(rows for k, rows in zip(lengths, first_rows, strict=True) if k > 0)
-        return self.draft(first) + sum(
-            self.draft(sum(1 for k in lengths if k >= depth))
+        return draft.seconds_at(first) + sum(
+            draft.seconds_at(sum(1 for k in lengths if k >= depth))
             for depth in range(2, max(lengths) + 1)
         )
 
@@ -107,7 +82,7 @@ def choose_cap(wishes: list[Wish], costs: BatchCosts) -> int:
         tokens = sum(w.expected_tokens(k) for w, k in zip(wishes, lengths, strict=True))
         pairs = list(zip(wishes, lengths, strict=True))
         shared = [(k, w.first_rows(k)) for w, k in pairs if w.capped]
-        seconds = costs.target(sum(lengths) + len(lengths))
+        seconds = costs.target.seconds_at(sum(lengths) + len(lengths))
         seconds += costs.draft_seconds([k for k, _ in shared], [rows for _, rows in shared])
         for w, k in pairs:  # a sampled sequence steps its draft in passes of its own
             if not w.capped:
@@ -116,60 +91,3 @@ def choose_cap(wishes: list[Wish], costs: BatchCosts) -> int:
         if rate > best_rate * (1 + 1e-6):
             best_cap, best_rate = cap, rate
     return best_cap
-
-
-def best_of(repeats: int, run: Callable[[], None]) -> float:
-    run()  # warm-up
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        run()
-        times.append(time.perf_counter() - t0)
-    return min(times)
-
-
-def pass_curve(
-    runners: list[Runner], points: list[int], repeats: int, each: int | None = None
-) -> Curve:
-    """A pass of r rows for each r in `points`, spread over the runners (each holding at
-    most `each` rows, default its row budget), after a CONTEXT-token prefix in each."""
-    device = runners[0].model.device
-    context = torch.arange(1, CONTEXT + 1, device=device)
-    for runner in runners:
-        runner.prefill(context, span=MEASURE_SPAN)
-    seconds = []
-    for rows in points:
-        budget = each or runners[0].rows or rows
-        sizes = [min(budget, rows - i * budget) for i in range(-(-rows // budget))]
-        assert len(sizes) <= len(runners), (rows, len(runners))
-        parts = runners[: len(sizes)]
-        fed = [torch.arange(40, 40 + n, device=device) for n in sizes]
-
-        def run(parts: list[Runner] = parts, fed: list[torch.Tensor] = fed) -> None:
-            extend_together(parts, fed)
-            for runner in parts:
-                runner.truncate(CONTEXT)
-
-        seconds.append(best_of(repeats, run))
-    for runner in runners:
-        runner.truncate(0)
-    return Curve(tuple(points), tuple(seconds))
-
-
-def row_points(most: int) -> list[int]:
-    """1, 2, 4, ... up to `most` (included)."""
-    points, rows = [], 1
-    while rows < most:
-        points.append(rows)
-        rows *= 2
-    return [*points, most]
-
-
-def measure_batch_costs(
-    targets: list[Runner], drafts: list[Runner] | None, most_rows: int, repeats: int = 2
-) -> BatchCosts:
-    """The target's pass curve up to `most_rows` rows and the draft's step curve up to one row
-    per seat, measured once when a batched engine is built."""
-    target = pass_curve(targets, row_points(most_rows), repeats)
-    draft = None if not drafts else pass_curve(drafts, row_points(len(drafts)), repeats, each=1)
-    return BatchCosts(target, draft)

@@ -31,6 +31,8 @@ greedy output never changes. Lossless: each round is verified exactly whatever i
 
 from __future__ import annotations
 
+from understudy.policy.costs import Costs
+
 
 class TreeOrChain:
     MIN_TRIES = 3  # rounds of each shape before the rates decide
@@ -39,10 +41,10 @@ class TreeOrChain:
     FAR_FACTOR = 4  # ... is tried this many times less often
     DECAY = 0.95  # older rounds of a shape count less
 
-    def __init__(self, cost_ratio: float, row_cost: float, tree_node_cost: float) -> None:
-        self.c = cost_ratio
-        self.v = row_cost
-        self.v_tree = tree_node_cost
+    def __init__(self, costs: Costs) -> None:
+        self.c = costs.draft_step
+        self.v = costs.row
+        self.v_tree = costs.tree_node
         self.tokens = {False: 0.0, True: 0.0}  # decayed tokens emitted, per shape (True: tree)
         self.cost = {False: 0.0, True: 0.0}  # decayed modelled cost, per shape
         self.tries = {False: 0, True: 0}  # rounds observed, per shape

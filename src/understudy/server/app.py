@@ -82,9 +82,9 @@ def create_app(
     if problem is not None:
         raise ValueError(problem)
     name = model_name or served_name(engine.target.name)
-    seats = engine.batch.seats
+    seats = engine.scheduler.seats
     batched = len(seats) > 1  # /v1 requests run together on the seats (engine/batch.py)
-    worker = Worker(max_queue, engine.batch if batched else None)
+    worker = Worker(max_queue, engine.scheduler if batched else None)
     metrics = Metrics(name, str(engine.method))
     worker.on_pass = metrics.batch_pass
     kv_per_seq = kv_bytes_per_seat(seats)

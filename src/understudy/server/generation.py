@@ -171,7 +171,7 @@ def batched_work(
                 sequence.cancel()
 
         job.sequences = [
-            engine.batch.submit(ids, params, on_token(i), on_done(i), on_error)
+            engine.scheduler.submit(ids, params, on_token(i), on_done(i), on_error)
             for i, params in enumerate(choices)
         ]
 

@@ -25,8 +25,6 @@ from fastapi.responses import HTMLResponse, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field
 
 from understudy.config import SamplingParams, UnderstudyError
-from understudy.drafters.base import Drafter, Proposal
-from understudy.engine.request import Seat
 from understudy.server.generation import account, encode_for_budget, until_cancelled
 from understudy.server.metrics import Metrics
 from understudy.server.openapi import body_examples, error_responses, event_stream
@@ -55,52 +53,6 @@ class LabRun(BaseModel):
     seed: int | None = None
 
 
-class RecordingDrafter(Drafter):
-    """Wraps the engine's drafter for one Lab run to remember each round's drafted tokens
-    (the TokenEvent stream carries only the tokens that were kept). Every hook is passed on."""
-
-    def __init__(self, inner: Drafter) -> None:
-        self.inner = inner
-        self.needs_draft_model = inner.needs_draft_model
-        self.plans_length = inner.plans_length
-        self.wants_hidden = inner.wants_hidden
-        self.tree = inner.tree
-        self._last: list[int] | None = None
-
-    def begin(self, prompt_ids: list[int]) -> None:
-        self.inner.begin(prompt_ids)
-
-    def propose(self, tokens: list[int], k: int, params: Any, generator: Any) -> Proposal:
-        return self._remember(self.inner.propose(tokens, k, params, generator))
-
-    def propose_tree(
-        self, tokens: list[int], depth: int, nodes: int, params: Any, generator: Any
-    ) -> Proposal:
-        return self._remember(self.inner.propose_tree(tokens, depth, nodes, params, generator))
-
-    def commit(self, tokens: list[int]) -> None:
-        self.inner.commit(tokens)
-
-    def end(self, tokens: list[int]) -> None:
-        self.inner.end(tokens)
-
-    def observe_hidden(self, hidden: Any, start: int) -> None:
-        self.inner.observe_hidden(hidden, start)
-
-    @property
-    def stops_by_confidence(self) -> bool:
-        return self.inner.stops_by_confidence
-
-    def _remember(self, proposal: Proposal) -> Proposal:
-        self._last = proposal.draft_ids.tolist()
-        return proposal
-
-    def pop(self) -> list[int]:
-        """The drafted ids of the round now being emitted ([] when nothing was drafted)."""
-        drafted, self._last = self._last or [], None
-        return drafted
-
-
 class _Engines:
     """The served engine and, built on first use (on the worker thread), its plain twin."""
 
@@ -127,7 +79,9 @@ class _Engines:
 
 
 def lab_work(engines: _Engines, run: LabRun, params: SamplingParams) -> Callable[[Job], None]:
-    """The worker-thread side of a Lab run: emits "start", "token" payloads, "done"."""
+    """The worker-thread side of a Lab run: emits "start", "token" payloads, "done". Each
+    round's drafted tokens (rejected ones included) come from the engine's `on_round`, which
+    reports a round before its tokens are emitted."""
 
     def work(job: Job) -> None:
         engine = engines.for_mode(run.mode)
@@ -137,41 +91,36 @@ def lab_work(engines: _Engines, run: LabRun, params: SamplingParams) -> Callable
         except APIError as error:
             job.emit("error", error)
             return
-        recorder = RecordingDrafter(engine.drafter) if engine.drafter is not None else None
-        seat = engine.seat  # a solo run's rounds call this seat's drafter
-        if recorder is not None:
-            engine.drafter, engine.seat = recorder, Seat(seat.runner, recorder)
-        try:
-            job.emit("start", {"prompt_tokens": len(ids)})
-            stream = engine.stream(ids, params)
-            t0 = time.perf_counter()
-            counters = {"tokens": 0, "passes": 0, "rounds": 0, "drafted": 0, "accepted": 0}
-            current = -1
-            for event in until_cancelled(stream, job):
-                payload: dict[str, Any] = {
-                    "type": "token",
-                    "id": event.token_id,
-                    "text": event.text,
-                    "piece": engines.piece(event.token_id),
-                    "origin": event.origin,
-                    "round": event.round,
-                }
-                if event.round != current:  # the first token of a new round (target pass)
-                    current = event.round
-                    counters["passes"] = event.round + 1  # the prefill is pass 1
-                    counters["rounds"] = event.round
-                    drafted = recorder.pop() if recorder is not None and event.round else []
-                    counters["drafted"] += len(drafted)
-                    payload["drafted"] = [{"id": t, "piece": engines.piece(t)} for t in drafted]
-                counters["tokens"] += 1
-                counters["accepted"] += event.origin == "accepted"
-                payload["counters"] = dict(counters)
-                payload["t"] = time.perf_counter() - t0
-                job.emit("token", payload)
-            job.emit("cancelled" if job.cancelled.is_set() else "done", stream.output)
-        finally:
-            if recorder is not None:
-                engine.drafter, engine.seat = recorder.inner, seat
+        drafted_in: dict[int, list[int]] = {}  # round -> its drafted ids, until shown
+        job.emit("start", {"prompt_tokens": len(ids)})
+        stream = engine.stream(
+            ids, params, on_round=lambda r: drafted_in.update({r.round: r.drafted})
+        )
+        t0 = time.perf_counter()
+        counters = {"tokens": 0, "passes": 0, "rounds": 0, "drafted": 0, "accepted": 0}
+        current = -1
+        for event in until_cancelled(stream, job):
+            payload: dict[str, Any] = {
+                "type": "token",
+                "id": event.token_id,
+                "text": event.text,
+                "piece": engines.piece(event.token_id),
+                "origin": event.origin,
+                "round": event.round,
+            }
+            if event.round != current:  # the first token of a new round (target pass)
+                current = event.round
+                counters["passes"] = event.round + 1  # the prefill is pass 1
+                counters["rounds"] = event.round
+                drafted = drafted_in.pop(event.round, [])
+                counters["drafted"] += len(drafted)
+                payload["drafted"] = [{"id": t, "piece": engines.piece(t)} for t in drafted]
+            counters["tokens"] += 1
+            counters["accepted"] += event.origin == "accepted"
+            payload["counters"] = dict(counters)
+            payload["t"] = time.perf_counter() - t0
+            job.emit("token", payload)
+        job.emit("cancelled" if job.cancelled.is_set() else "done", stream.output)
 
     return work
 

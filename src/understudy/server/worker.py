@@ -38,7 +38,8 @@ from collections import deque
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
-from understudy.engine.batch import BatchLoop, Sequence
+from understudy.engine.scheduler import Scheduler
+from understudy.engine.sequence import Sequence
 
 log = logging.getLogger("understudy.server")
 
@@ -127,7 +128,7 @@ class Worker:
     """The single thread that owns the engine (and `batch`, its batch loop, if it has one
     with several seats)."""
 
-    def __init__(self, max_queue: int, batch: BatchLoop | None = None) -> None:
+    def __init__(self, max_queue: int, batch: Scheduler | None = None) -> None:
         if max_queue < 0:
             raise ValueError("max_queue must be >= 0")
         self.max_queue = max_queue
