@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, overload
 import torch
 
 from understudy.config import SamplingParams, UnderstudyError, parse_num_speculative_tokens
-from understudy.constraints.base import build_processor
+from understudy.constraints import build_processor
 from understudy.drafters.base import EMPTY, Drafter, Proposal
 from understudy.engine.batch import BatchLoop, generate_batch, stream_batch
 from understudy.engine.emitter import Emitter, TokenEvent, token_logprobs
