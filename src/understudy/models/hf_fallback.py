@@ -35,7 +35,7 @@ which need the fast path's slot-level control.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 
@@ -52,8 +52,6 @@ from understudy.models.row_attention import (
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
     from transformers.cache_utils import Cache
-
-    from understudy.models.loader import LoadedModel
 
 ATTENTION_KINDS = ("full_attention", "sliding_attention", "chunked_attention")
 STATELESS_KINDS = ("dummy",)  # layers that keep nothing (they read another layer's KV)
@@ -305,8 +303,19 @@ def unproved(text_config: object, calls: int, layers: int) -> str | None:
     return None
 
 
+class NamedModel(Protocol):
+    """What `refuse_on_fallback` reads of a loaded model (loader.py's LoadedModel), stated
+    here because the loader builds on this module and so cannot be imported by it."""
+
+    @property
+    def name(self) -> str: ...
+
+    @property
+    def model(self) -> object: ...
+
+
 def refuse_on_fallback(
-    target: LoadedModel, draft: LoadedModel | None, wants_hidden: bool, tree: str = "off"
+    target: NamedModel, draft: NamedModel | None, wants_hidden: bool, tree: str = "off"
 ) -> None:
     """At build: refuse, saying why, a drafter that reads the target's hidden states of a
     FallbackLM target, or drafts token trees where a FallbackLM is in play (chains only)."""
