@@ -41,6 +41,7 @@ import torch
 
 from understudy.config import UnderstudyError
 from understudy.models.convert import RECURRENT, UnsupportedArchitecture
+from understudy.models.hardware import cpu_has_native_bf16
 from understudy.models.row_attention import (
     ATTENTION,
     COUNT_KWARG,
@@ -183,8 +184,6 @@ class FallbackLM:
         """Why greedy speculative output may differ from plain decoding on a near-tie, with
         passes of `rows` rows (`padded`: fixed-shape; else row-invariant kernels); None when
         the argument of the module docstring covers this model (no reason to doubt it)."""
-        from understudy.models.loader import cpu_has_native_bf16
-
         if self.unproved is not None:
             return self.unproved
         if rows > ROWS_APART_UPTO:
