@@ -13,10 +13,11 @@ seconds, its body within --body-timeout, and an idle keep-alive connection close
 
 from __future__ import annotations
 
-import signal
 from typing import Annotated
 
 import typer
+
+from understudy.cli.common import exit_zero_after_drain
 
 ERROR_EXIT_CODE = 2
 
@@ -202,16 +203,8 @@ def serve(
         f"http://{shown}:{port}/v1   Lab: http://{shown}:{port}/lab"
         + ("   (API key required)" if api_key else "")
     )
-    # uvicorn handles SIGTERM/SIGINT itself (stop accepting, drain, shut down), then raises
-    # the signal again under the handler that was there before it: make that one a no-op,
-    # so a drained server exits with status 0 instead of dying by the signal.
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, _drained)
+    exit_zero_after_drain()
     uvicorn.run(app, **uvicorn_options)
-
-
-def _drained(signum: int, frame: object) -> None:
-    """The signal arrives again once uvicorn has drained: nothing left to do."""
 
 
 def main() -> None:
