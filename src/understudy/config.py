@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from typing import Literal
 
 MAX_SPECULATIVE_TOKENS = 64
 MAX_LOGPROBS = 20  # alternatives per token, as vLLM's default limit
@@ -19,6 +20,14 @@ MAX_SEED = 2**64 - 1  # torch.Generator.manual_seed takes 64 bits
 # repetition_penalty divides positive logits: a divisor that rounds to 0 in float32 would
 # make them inf (and the distribution NaN), so it stays within a factor 1e6 either way.
 REPETITION_PENALTY_RANGE = (1e-6, 1e6)
+
+
+# The string modes callers choose from, as types; each is checked where it enters (the CLI,
+# the API, the builder) and tests hold each equal to the tuple its owner validates against.
+Method = Literal["none", "draft", "ngram", "suffix", "hybrid", "eagle"]  # engine/builder.py
+TreeMode = Literal["off", "on", "auto"]  # whether a drafter's rounds may draft token trees
+DType = Literal["auto", "float32", "bfloat16", "float16"]  # auto: bf16 where native, else fp32
+Quantization = Literal["auto", "none", "gguf"]  # how a GGUF model runs (models/loader.py)
 
 
 class UnderstudyError(ValueError):

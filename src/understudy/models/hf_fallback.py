@@ -39,7 +39,7 @@ from typing import TYPE_CHECKING, Protocol
 
 import torch
 
-from understudy.config import UnderstudyError
+from understudy.config import TreeMode, UnderstudyError
 from understudy.models.convert import RECURRENT, UnsupportedArchitecture
 from understudy.models.hardware import cpu_has_native_bf16
 from understudy.models.row_attention import (
@@ -314,7 +314,7 @@ class NamedModel(Protocol):
 
 
 def refuse_on_fallback(
-    target: NamedModel, draft: NamedModel | None, wants_hidden: bool, tree: str = "off"
+    target: NamedModel, draft: NamedModel | None, wants_hidden: bool, tree: TreeMode = "off"
 ) -> None:
     """At build: refuse, saying why, a drafter that reads the target's hidden states of a
     FallbackLM target, or drafts token trees where a FallbackLM is in play (chains only)."""
