@@ -36,7 +36,7 @@ from understudy.bench import vllm_peer
 from understudy.bench.config import loadavg, write_json
 from understudy.bench.prompts import BenchPrompt, load_prompts
 from understudy.bench.server_process import ServerUnderTest
-from understudy.config import UnderstudyError
+from understudy.config import DType, UnderstudyError
 
 SCHEMA = "understudy-serving-bench/1"
 REQUEST_TIMEOUT_S = 1800.0
@@ -55,7 +55,7 @@ class ServingConfig:
     per_category: int = 0
     target: str | None = None
     draft: str | None = None
-    dtype: str = "auto"
+    dtype: DType = "auto"
     max_context: int = 4096
     out: Path = Path("bench-results")
     compare: list[str] = field(default_factory=list)  # the vLLM peer's labels (vllm_peer.py)
