@@ -14,7 +14,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from understudy.server.choices import Assembly
-from understudy.server.generation import account, batched_work, generation_work
+from understudy.server.generation import PromptParam, account, batched_work, generation_work
 from understudy.server.openapi import error_responses, event_stream, request_examples
 from understudy.server.prepare import Plan, plan_chat, plan_completion
 from understudy.server.protocol import (
@@ -70,7 +70,7 @@ async def generate(
 ) -> Response:
     """Run `plan` on the worker and answer it. An error the engine raises before the first
     token is the request's 4xx; a client that leaves gets 499 (nobody reads it)."""
-    prompt_param = "messages" if chat else "prompt"
+    prompt_param: PromptParam = "messages" if chat else "prompt"
     explicit = body.max_tokens is not None
     parts = (served.engine, plan.render, plan.choices, explicit, prompt_param, plan.param)
     if served.batched:
