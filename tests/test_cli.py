@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from typing import get_args
 
 import pytest
 
@@ -114,7 +115,8 @@ def test_drafter_options_pass_through(tiny_pair):
     "args, message",
     [
         (["-k", "0"], "num_speculative_tokens"),
-        (["--method", "telepathy"], "unknown method"),
+        (["--method", "telepathy"], "Invalid value for '--method'"),
+        (["--dtype", "float8"], "Invalid value for '--dtype'"),
         (["--temperature", "-1"], "temperature"),
         (["--top-p", "0"], "top_p"),
         (["--target", "no-such-model"], "no-such-model"),
@@ -125,6 +127,26 @@ def test_bad_input_is_one_clear_line(args, message):
     assert run.returncode == 2
     assert message in run.stderr and "Traceback" not in run.stderr
     assert run.stdout == ""
+
+
+def test_serve_refuses_a_mode_it_does_not_have_before_loading_anything():
+    run = cli("serve", "--log-level", "loud", timeout=120)
+    assert run.returncode == 2
+    assert "Invalid value for '--log-level'" in run.stderr and "Traceback" not in run.stderr
+
+
+def test_the_typed_choices_are_the_ones_their_owners_take():
+    """config's Literal types list exactly the values the engine, the loader and the drafters
+    validate against: the CLI's choices neither refuse a valid value nor pass a wrong one."""
+    from understudy.config import DType, Method, Quantization, TreeMode
+    from understudy.drafters.calibration import TREE_MODES
+    from understudy.engine.builder import METHODS
+    from understudy.models.loader import DTYPES, QUANTIZATIONS
+
+    assert sorted(get_args(Method)) == sorted(METHODS)
+    assert sorted(get_args(DType)) == sorted(("auto", *DTYPES))
+    assert sorted(get_args(Quantization)) == sorted(QUANTIZATIONS)
+    assert sorted(get_args(TreeMode)) == sorted(TREE_MODES)
 
 
 def test_subcommands_have_help():

@@ -24,6 +24,14 @@ MAX_SEED = 2**64 - 1  # torch.Generator.manual_seed takes 64 bits
 REPETITION_PENALTY_RANGE = (1e-6, 1e6)
 
 
+# The string modes callers choose from, as types; each is checked where it enters (the CLI,
+# the API, the builder) and tests hold each equal to the tuple its owner validates against.
+Method = Literal["none", "draft", "ngram", "suffix", "hybrid", "eagle"]  # engine/builder.py
+TreeMode = Literal["off", "on", "auto"]  # whether a drafter's rounds may draft token trees
+DType = Literal["auto", "float32", "bfloat16", "float16"]  # auto: bf16 where native, else fp32
+Quantization = Literal["auto", "none", "gguf"]  # how a GGUF model runs (models/loader.py)
+
+
 class UnderstudyError(ValueError):
     """A user-facing error: its message is one clear line, shown without a traceback."""
 

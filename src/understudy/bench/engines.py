@@ -18,7 +18,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from understudy.config import UnderstudyError, parse_num_speculative_tokens, parse_option_value
+from understudy.config import (
+    DType,
+    Quantization,
+    UnderstudyError,
+    parse_num_speculative_tokens,
+    parse_option_value,
+)
 from understudy.drafters import DRAFTERS
 from understudy.engine.builder import EngineSpec, LoadedModels, assemble
 from understudy.engine.draft_setup import default_draft, load_draft, resolve_draft_quantization
@@ -89,9 +95,9 @@ class ModelPool:
         self,
         target: str | None,
         draft: str | None,
-        dtype: str,
+        dtype: DType,
         device: str | None = None,
-        quantization: str = "auto",
+        quantization: Quantization = "auto",
     ) -> None:
         self.dtype, self.device, self.quantization = dtype, device, quantization
         self.target = load_model(target or DEFAULT_TARGET, dtype, device, quantization)

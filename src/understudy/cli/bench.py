@@ -20,6 +20,7 @@ from typing import Annotated
 import typer
 
 from understudy.bench.prompts import DEFAULT_PER_CATEGORY
+from understudy.config import DType
 
 INTERRUPTED_EXIT_CODE = 130
 
@@ -79,7 +80,9 @@ def bench(
         str | None, typer.Option(help="Target model: registry name, HF id, directory or .gguf.")
     ] = None,
     draft: Annotated[str | None, typer.Option(help="Draft model.")] = None,
-    dtype: Annotated[str, typer.Option(help="auto | float32 | bfloat16 | float16")] = "auto",
+    dtype: Annotated[
+        DType, typer.Option(help="Weights' dtype (auto: bf16 where native).")
+    ] = "auto",
     max_context: Annotated[int, typer.Option(help="Prompt + generation, in tokens.")] = 4096,
     seed: Annotated[int, typer.Option(help="Sampling seed (temperature > 0).")] = 0,
     progress: Annotated[bool, typer.Option(help="Show progress bars.")] = True,

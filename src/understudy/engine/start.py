@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 
 from understudy.config import SamplingParams
-from understudy.constraints.base import build_processor
+from understudy.constraints import build_processor
 from understudy.engine.emitter import Emitter, TokenLogprobs, token_logprobs
 from understudy.engine.request import Request, Seat
 from understudy.models.loader import LoadedModel

@@ -35,12 +35,13 @@ which need the fast path's slot-level control.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 
-from understudy.config import UnderstudyError
+from understudy.config import TreeMode, UnderstudyError
 from understudy.models.convert import RECURRENT, UnsupportedArchitecture
+from understudy.models.hardware import cpu_has_native_bf16
 from understudy.models.row_attention import (
     ATTENTION,
     COUNT_KWARG,
@@ -52,8 +53,6 @@ from understudy.models.row_attention import (
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
     from transformers.cache_utils import Cache
-
-    from understudy.models.loader import LoadedModel
 
 ATTENTION_KINDS = ("full_attention", "sliding_attention", "chunked_attention")
 STATELESS_KINDS = ("dummy",)  # layers that keep nothing (they read another layer's KV)
@@ -185,8 +184,6 @@ class FallbackLM:
         """Why greedy speculative output may differ from plain decoding on a near-tie, with
         passes of `rows` rows (`padded`: fixed-shape; else row-invariant kernels); None when
         the argument of the module docstring covers this model (no reason to doubt it)."""
-        from understudy.models.loader import cpu_has_native_bf16
-
         if self.unproved is not None:
             return self.unproved
         if rows > ROWS_APART_UPTO:
@@ -305,8 +302,19 @@ def unproved(text_config: object, calls: int, layers: int) -> str | None:
     return None
 
 
+class NamedModel(Protocol):
+    """What `refuse_on_fallback` reads of a loaded model (loader.py's LoadedModel), stated
+    here because the loader builds on this module and so cannot be imported by it."""
+
+    @property
+    def name(self) -> str: ...
+
+    @property
+    def model(self) -> object: ...
+
+
 def refuse_on_fallback(
-    target: LoadedModel, draft: LoadedModel | None, wants_hidden: bool, tree: str = "off"
+    target: NamedModel, draft: NamedModel | None, wants_hidden: bool, tree: TreeMode = "off"
 ) -> None:
     """At build: refuse, saying why, a drafter that reads the target's hidden states of a
     FallbackLM target, or drafts token trees where a FallbackLM is in play (chains only)."""

@@ -35,6 +35,7 @@ from understudy.models.convert import (
     convert_state_dict,
 )
 from understudy.models.fetch import cache_dir, fetch_packaged_model
+from understudy.models.hardware import cpu_has_native_bf16
 from understudy.models.registry import resolve_packaged, unknown_model_message
 from understudy.models.transformer import Transformer, TransformerConfig
 
@@ -54,17 +55,6 @@ class LoadedModel:
     tokenizer: Any | None  # a transformers tokenizer, or None for token-id-only models
     eos_token_ids: tuple[int, ...]
     from_blocks: bool = False  # runs from its GGUF file's own blocks (quantization="gguf")
-
-
-def cpu_has_native_bf16() -> bool:
-    """True when the CPU multiplies bf16 natively (AMX-BF16 or AVX512-BF16). Without it torch
-    emulates bf16 matmuls: one row is as fast as fp32, but the cost grows with every row."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            flags = next((line for line in f if line.startswith("flags")), "").split()
-    except OSError:
-        return False
-    return "amx_bf16" in flags or "avx512_bf16" in flags
 
 
 def resolve_dtype(dtype: str | torch.dtype, device: torch.device) -> torch.dtype:
