@@ -57,11 +57,13 @@ def gpt2_dir(tmp_path_factory) -> str:
     return str(folder)
 
 
-def engine_agrees(report: InspectReport, spec: str, **options: object) -> None:
-    """An engine built as inspect assumes has the report's path, dtype, passes, KV cache
-    and stats.exact."""
+def engine_agrees(
+    report: InspectReport, spec: str, max_context: int = 64, **options: object
+) -> None:
+    """An engine built as inspect assumes has the report's path, dtype, passes, context,
+    KV cache and stats.exact."""
     engine = Engine.from_pretrained(
-        target=spec, method="ngram", num_speculative_tokens=2, max_context=64, **options
+        target=spec, method="ngram", num_speculative_tokens=2, max_context=max_context, **options
     )
     model, runner = engine.runner.model, engine.runner
     assert report.path == (
@@ -124,6 +126,17 @@ def test_hugging_face_folder_dense(tiny_pair):
     model = load_model(target, dtype="float32").model
     unique = {p.data_ptr(): p.nbytes for p in model.parameters()}
     assert inspect_model(target, dtype="float32").weights_bytes == sum(unique.values())
+
+
+def test_context_lowered_where_the_rope_changes_with_length(tmp_path):
+    from test_architectures import make_hf
+
+    folder = tmp_path / "llama-dynamic"
+    make_hf("llama-dynamic").save_pretrained(folder)
+    report = inspect_model(str(folder), dtype="float32", max_context=1024)
+    assert report.rope_scaling["kind"] == "dynamic"
+    assert report.context == report.context_length < report.max_context == 1024
+    engine_agrees(report, str(folder), max_context=1024, dtype="float32")
 
 
 def test_fallback_and_its_exactness(gpt2_dir, monkeypatch):
