@@ -15,6 +15,7 @@ from rich.console import Console
 
 from understudy.cli.bench import bench
 from understudy.cli.common import fail
+from understudy.cli.inspect import inspect_command
 from understudy.cli.serve import serve
 from understudy.cli.simulate import simulate
 from understudy.cli.train_head import train_head_command
@@ -33,6 +34,9 @@ app.command("bench", help="Methods and peers side by side on the same prompts, w
 app.command(
     "train-head", help="Train the target's own prediction head for method=eagle (resumable)."
 )(train_head_command)
+app.command(
+    "inspect", short_help="What the engine would do with a model, without loading its weights."
+)(inspect_command)
 app.command("serve", help="Serve the engine over OpenAI's HTTP API, with the live Lab at /lab.")(
     serve
 )

