@@ -4,7 +4,7 @@ Each verdict is checked against the real thing on tiny models made here: the pat
 against load_model, the pass shape, the KV bytes (engine/seats.kv_bytes over the runner's
 own cache) and stats.exact against a built engine, the tensor counts and bytes against
 gguf's own reader, the weights' bytes against the loaded model's tensors, the draft's
-verdict against builder.check_compatible on the loaded pair, eagle's head against
+verdict against draft_setup.check_compatible on the loaded pair, eagle's head against
 find_head. The command runs as a subprocess once, and bad input exits non-zero in one line.
 """
 
@@ -29,13 +29,14 @@ from test_fallback import make_hf as make_other
 from understudy import Engine, SamplingParams
 from understudy.config import UnderstudyError
 from understudy.drafters.eagle import default_head_dir
-from understudy.engine.builder import check_compatible, default_verify_rows
+from understudy.engine.draft_setup import check_compatible
+from understudy.engine.inspect import InspectReport, inspect_model
+from understudy.engine.pass_shape import default_verify_rows
 from understudy.engine.seats import kv_bytes
 from understudy.kernels import qgemm
 from understudy.kernels.qgemm import QuantLinear
 from understudy.models.gguf_weights import ARCHITECTURES
 from understudy.models.hf_fallback import FallbackLM
-from understudy.models.inspect import InspectReport, inspect_model
 from understudy.models.loader import load_model
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -256,7 +257,7 @@ def test_a_packaged_model_not_fetched_is_refused_unless_asked(tmp_path, monkeypa
 def test_importable_without_the_server_extras():
     blocked = "fastapi uvicorn xgrammar prometheus_client ray matplotlib".split()
     code = f"import sys; sys.modules.update(dict.fromkeys({blocked!r})); "
-    code += "import understudy.models.inspect, understudy.cli.inspect"
+    code += "import understudy.engine.inspect, understudy.cli.inspect"
     done = subprocess.run([sys.executable, "-c", code], env={**os.environ, "PYTHONPATH": SRC})
     assert done.returncode == 0
 

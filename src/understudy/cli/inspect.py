@@ -1,5 +1,5 @@
 """`understudy inspect MODEL`: what the engine would do with a model, in seconds, without
-loading its weights (models/inspect.py builds the report; this file prints it)."""
+loading its weights (engine/inspect.py builds the report; this file prints it)."""
 
 from __future__ import annotations
 
@@ -64,7 +64,7 @@ def inspect_command(
     runs, why}); draft ({model, compatible, why, path, weights_bytes, kv_bytes,
     quantization}); eagle_head (the trained head's folder, or null)."""
     from understudy.config import UnderstudyError
-    from understudy.models.inspect import inspect_model
+    from understudy.engine.inspect import inspect_model
 
     try:
         report = inspect_model(

@@ -1,8 +1,8 @@
 """A model as the loader would build it, without its weights, for the engine's rules to ask.
 
-`understudy inspect` (models/inspect.py) says what the engine would do with a model in
+`understudy inspect` (engine/inspect.py) says what the engine would do with a model in
 seconds, reading its metadata and tensor table but never its weights. The engine's rules
-are functions of a loaded model (builder.target_pass_shape and check_compatible,
+are functions of a loaded model (pass_shape.target_pass_shape and check_compatible,
 seats.kv_bytes, the runner's cache size, eagle.find_head, FallbackLM.why_inexact), so rather
 than restate them, this module builds the model they read with every weight on the meta
 device (shapes, no memory). `WeightlessTransformer` and `WeightlessFallback` report the dtype

@@ -8,7 +8,7 @@ bit for bit there (the engine's stats.exact); its family and shape; its GGUF qua
 mix; the memory its weights and KV cache take; which methods can run, and which draft fits.
 
 Every verdict comes from the code that decides it when an engine is built (loader.locate
-and from_blocks, gguf_weights.architecture, qgemm.KERNEL_TYPES, builder.target_pass_shape,
+and from_blocks, gguf_weights.architecture, qgemm.KERNEL_TYPES, pass_shape.target_pass_shape,
 within_exact_rope, check_compatible, default_draft and resolve_draft_quantization,
 seats.kv_bytes with the runner's own cache size, eagle.find_head, hf_fallback's refusals
 and why_inexact), so the report stays true as those rules change. The report is a plain
@@ -29,15 +29,13 @@ from gguf import GGMLQuantizationType
 from understudy.config import UnderstudyError
 from understudy.drafters import DRAFTERS
 from understudy.drafters.eagle import find_head
-from understudy.engine.builder import (
-    METHODS,
-    EngineSpec,
+from understudy.engine.builder import METHODS, EngineSpec, within_exact_rope
+from understudy.engine.draft_setup import (
     check_compatible,
     default_draft,
     resolve_draft_quantization,
-    target_pass_shape,
-    within_exact_rope,
 )
+from understudy.engine.pass_shape import target_pass_shape
 from understudy.engine.seats import kv_bytes
 from understudy.kernels import qgemm
 from understudy.models.fetch import gguf_path
@@ -76,7 +74,7 @@ class DraftVerdict:
     default pair's draft for the packaged target, else none."""
 
     model: str | None
-    compatible: bool | None  # by builder.check_compatible; None: no draft to check
+    compatible: bool | None  # by draft_setup.check_compatible; None: no draft to check
     why: str
     path: str | None = None  # the draft's own path (weightless.PATHS)
     weights_bytes: int | None = None
@@ -273,7 +271,7 @@ def draft_verdict(
     target: Weightless, draft: str | None, context: int, build: dict[str, Any]
 ) -> tuple[DraftVerdict, Weightless | None]:
     """The draft `draft`, else the packaged default pair's for the packaged target, checked
-    against the target by builder.check_compatible."""
+    against the target by draft_setup.check_compatible."""
     name = default_draft(target.loaded.name, draft)
     if name is None:
         return DraftVerdict(None, None, "none known: pass --draft to check one"), None
@@ -300,18 +298,18 @@ def tensor_groups_of(target: Weightless) -> list[TensorGroup]:
 
 def method_verdicts(target: Weightless, draft: DraftVerdict) -> tuple[list[MethodVerdict], str]:
     """Each method of builder.METHODS: whether an engine of it would build for this target,
-    by the drafters' own declarations (needs_draft_model, wants_hidden, draft_names_head);
+    by the drafters' declared traits (needs_draft_model, wants_hidden, draft_names_head);
     and the trained head's folder, or why there is none."""
     verdicts = [MethodVerdict("none", True, "plain decoding: the baseline")]
     head = ""
     for method in METHODS[1:]:
         drafter = DRAFTERS[method]
         try:
-            refuse_on_fallback(target.loaded, None, drafter.wants_hidden)
-            if drafter.needs_draft_model and not draft.compatible:
+            refuse_on_fallback(target.loaded, None, drafter.traits.wants_hidden)
+            if drafter.traits.needs_draft_model and not draft.compatible:
                 raise UnderstudyError(f"needs a draft model: {draft.why}")
-            why = f"draft {draft.model!r}" if drafter.needs_draft_model else "no model needed"
-            if drafter.draft_names_head:
+            why = f"draft {draft.model!r}" if drafter.traits.needs_draft_model else "no model needed"
+            if drafter.traits.draft_names_head:
                 head = str(find_head(target.loaded, None))
                 why = f"trained head in {head}"
         except UnderstudyError as refusal:
