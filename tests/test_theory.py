@@ -16,11 +16,15 @@ from typer.testing import CliRunner
 from understudy.cli.simulate import simulate, sparkline
 from understudy.config import UnderstudyError
 from understudy.policy.theory import (
+    PassCost,
+    alpha_from_acceptance_rate,
     expected_acceptance_rate,
     expected_speedup,
     expected_tokens_per_round,
     monte_carlo,
     optimal_k,
+    parse_pass_curve,
+    round_cost,
     simulate_report,
     speedup_curve,
 )
@@ -116,6 +120,115 @@ def test_speedup_curve_indexing() -> None:
     assert len(curve) == 64
     assert curve[3] == pytest.approx(3.3616 / 1.4)  # element i is K = i + 1
     assert max(curve) == curve[5]
+
+
+# --- the rows' cost: speedup = E / (K c + T(K+1)) --------------------------------------------
+
+STEPPED = PassCost.from_curve((1.0, 1.0, 1.0, 1.0, 2.0, 2.0, 2.0, 2.0))  # a 4-row kernel group
+
+
+@pytest.mark.parametrize(
+    "flat",
+    [PassCost(), PassCost(row=0.0), PassCost(curve=(1.0,) * 16), PassCost.from_curve((1.0,) * 4)],
+    ids=["default", "v=0", "flat curve", "flat curve extended"],
+)
+def test_a_flat_pass_is_exactly_leviathans_formula(flat: PassCost) -> None:
+    # T(n) = 1 for every n: E / (K c + T(K+1)) is E / (K c + 1), bit for bit
+    assert flat.flat
+    for alpha in (0.0, 0.3, 0.8, 0.98, 1.0):
+        for c in (0.0, 0.05, 0.27, 1.0):
+            for k in (1, 2, 5, 16, 64):
+                leviathan = expected_tokens_per_round(alpha, k) / (k * c + 1.0)
+                assert expected_speedup(alpha, k, c, flat) == leviathan
+                assert expected_speedup(alpha, k, c) == leviathan
+            assert speedup_curve(alpha, c, passes=flat) == speedup_curve(alpha, c)
+            assert optimal_k(alpha, c, passes=flat) == optimal_k(alpha, c)
+
+
+def test_pass_cost_reads_a_slope_or_a_curve() -> None:
+    assert PassCost(row=0.1).rows(1) == 1.0
+    assert PassCost(row=0.1).rows(6) == pytest.approx(1.5)  # 1 + 5 * 0.1
+    # the stepped curve: flat to 4 rows, 2 from 5 to 8; past it the line from (1, 1) to
+    # (8, 2), slope 1/7: T(9) = 1 + 8/7
+    assert STEPPED.row == pytest.approx(1 / 7)
+    assert [STEPPED.rows(n) for n in (1, 4, 5, 8)] == [1.0, 1.0, 2.0, 2.0]
+    assert STEPPED.rows(9) == pytest.approx(1 + 8 / 7)
+    assert not STEPPED.flat and not PassCost(row=0.1).flat
+    assert round_cost(4, 0.1, STEPPED) == pytest.approx(0.4 + 2.0)  # K = 4: a 5-row pass
+
+
+@pytest.mark.parametrize(
+    ("alpha", "k", "c", "row", "expected"),
+    [
+        (0.8, 4, 0.1, 0.1, 3.3616 / 1.8),  # K c = 0.4, T(5) = 1 + 4 * 0.1 = 1.4
+        (1.0, 4, 0.25, 0.25, 5 / 3),  # 5 / (1 + 1 + 4 * 0.25)
+        (0.5, 1, 0.0, 1.0, 0.75),  # a free drafter, but a 2-row pass costs 2: 1.5 / 2
+    ],
+)
+def test_speedup_with_a_row_cost_hand_values(alpha, k, c, row, expected) -> None:
+    assert expected_speedup(alpha, k, c, PassCost(row=row)) == pytest.approx(expected, rel=1e-12)
+
+
+def test_optimal_k_under_a_stepped_curve() -> None:
+    # a = 0.9, c = 0.05, T = 1 up to 4 rows, 2 from 5 to 8, 1 + (n - 1)/7 after:
+    #   K=2: 2.71      / (0.10 + 1)     = 2.46364
+    #   K=3: 3.439     / (0.15 + 1)     = 2.99043  (the last K whose pass is in the flat group)
+    #   K=4: 4.0951    / (0.20 + 2)     = 1.86141  (a 5-row pass: the step)
+    #   K=7: 5.6953279 / (0.35 + 2)     = 2.42354  (the best after the step)
+    #   K=8: 6.1257951 / (0.40 + 15/7)  = 2.40902  and falling after
+    assert optimal_k(0.9, 0.05, passes=STEPPED) == (3, pytest.approx(3.439 / 1.15, rel=1e-12))
+    # without the rows' cost the same a and c want K = 13 (4.67x): the flat theory
+    # overstates both the best K and what it buys
+    flat_k, flat_speedup = optimal_k(0.9, 0.05)
+    assert flat_k == 13 and flat_speedup > 4.6
+    # a row as dear as a pass: the longer the round, the worse; K = 1 is best
+    assert optimal_k(0.9, 0.05, passes=PassCost(row=1.0))[0] == 1
+
+
+def test_monte_carlo_charges_rows_and_agrees_with_the_formula_not_the_flat_one() -> None:
+    """The simulator charges each round its K drafter steps and its pass of K + 1 rows. The
+    formula with T agrees within 4 standard errors; the mutant formula that drops the rows'
+    cost (Leviathan's flat T = 1) is refused by the same test, for every case."""
+    cases = [(0.9, 4, 0.05, STEPPED), (0.9, 9, 0.05, STEPPED), (0.8, 4, 0.1, PassCost(row=0.1)),
+             (0.98, 5, 0.27, PassCost(row=0.3))]  # fmt: skip
+    for alpha, k, c, passes in cases:
+        mc = monte_carlo(alpha, c, k, rounds=40_000, spread=0.0, seed=2, passes=passes)
+        assert mc["round_cost"] == pytest.approx(k * c + passes.rows(k + 1))
+        band = 4 * mc["speedup_stderr"]
+        assert abs(mc["speedup"] - expected_speedup(alpha, k, c, passes)) < band
+        assert abs(mc["speedup"] - expected_speedup(alpha, k, c)) > band  # the mutant fails
+
+
+@pytest.mark.parametrize(
+    ("call", "words"),
+    [
+        (lambda: PassCost(row=-0.1), "row_cost must be >= 0"),
+        (lambda: PassCost(row=float("nan")), "row_cost must be a finite number"),
+        (lambda: PassCost(curve=(1.1, 1.2)), "pass_curve must start at 1"),
+        (lambda: PassCost(curve=(1.0, 1.3, 1.2)), "pass_curve must never fall"),
+        (lambda: PassCost(curve=(1.0, float("inf"))), "pass_curve must be a finite number"),
+        (lambda: parse_pass_curve("1,1.1,x"), "pass_curve must be numbers separated by commas"),
+        (lambda: parse_pass_curve(""), "pass_curve must be numbers separated by commas"),
+        (lambda: alpha_from_acceptance_rate(1.5, 4), "acceptance_rate must be in [0, 1]"),
+    ],
+)
+def test_bad_pass_costs_are_refused_by_name(call, words: str) -> None:
+    with pytest.raises(UnderstudyError, match=words.replace("[", r"\[").replace("]", r"\]")):
+        call()
+
+
+def test_parse_pass_curve() -> None:
+    assert parse_pass_curve("1,1.01, 1.06") == (1.0, 1.01, 1.06)
+    assert parse_pass_curve("1") == (1.0,)
+
+
+def test_alpha_from_acceptance_rate_inverts_the_expected_rate() -> None:
+    # a = 0.8, K = 4: accepted / drafted = 0.5904 (above), so 0.5904 at K = 4 reads as 0.8
+    assert alpha_from_acceptance_rate(0.5904, 4) == pytest.approx(0.8, abs=1e-12)
+    assert alpha_from_acceptance_rate(0.3, 1) == pytest.approx(0.3, abs=1e-12)  # K = 1: a
+    for rate in (0.0, 0.25, 0.9, 0.98, 1.0):
+        alpha = alpha_from_acceptance_rate(rate, 5)
+        assert expected_acceptance_rate(alpha, 5) == pytest.approx(rate, abs=1e-12)
 
 
 # --- Monte Carlo -----------------------------------------------------------------------------
