@@ -377,6 +377,13 @@ def test_cli_short_k_and_table() -> None:
         ["--alpha", "0.8", "--c", "-1"],
         ["--alpha", "0.8", "--c", "0.1", "-k", "0"],
         ["--alpha", "0.8", "--c", "0.1", "--rounds", "0"],
+        ["--alpha", "0.8"],  # no c, and nothing to measure it
+        ["--alpha", "0.8", "--c", "0.1", "--row-cost", "-1"],
+        ["--alpha", "0.8", "--c", "0.1", "--pass-curve", "1,x"],
+        ["--alpha", "0.8", "--c", "0.1", "--pass-curve", "2,3"],
+        ["--alpha", "0.8", "--c", "0.1", "--pass-curve", "1,1.3,1.2"],
+        ["--alpha", "0.8", "--c", "0.1", "--row-cost", "0.1", "--pass-curve", "1,2"],
+        ["--alpha", "0.8", "--row-cost", "0.1", "--measure"],  # refused before any measuring
     ],
 )
 def test_cli_bad_input_is_one_line_exit_2(args: list[str]) -> None:
@@ -386,6 +393,55 @@ def test_cli_bad_input_is_one_line_exit_2(args: list[str]) -> None:
     assert result.stderr.startswith("error: ")
     assert result.stderr.count("\n") == 1
     assert "Traceback" not in result.stderr
+
+
+def _json(*args: str) -> dict:
+    result = _runner().invoke(_app(), ["simulate", *args, "--rounds", "2000", "--json"])
+    assert result.exit_code == 0, result.output
+    return json.loads(result.stdout)
+
+
+def test_cli_without_a_row_cost_says_rows_are_free() -> None:
+    data = _json("--alpha", "0.8", "--c", "0.1", "-k", "4")
+    assert data["pass_cost"] == {
+        "row_cost": 0.0,
+        "pass_curve": [],
+        "flat": True,
+        "model": "T(n) = 1, rows are free (v = 0: Leviathan et al.)",
+        "source": "none given: v = 0",
+    }
+    assert data["speedup"] == data["leviathan_speedup"] == pytest.approx(3.3616 / 1.4)
+    text = _runner().invoke(_app(), ["simulate", "--alpha", "0.8", "--c", "0.1"]).stdout
+    assert "rows are free" in text and "none given: v = 0" in text
+
+
+def test_cli_row_cost() -> None:
+    data = _json("--alpha", "0.8", "--c", "0.1", "-k", "4", "--row-cost", "0.1")
+    assert data["pass_cost"]["source"] == "--row-cost" and data["pass_cost"]["row_cost"] == 0.1
+    assert data["round_cost"] == pytest.approx(1.8)  # 4 * 0.1 + 1 + 4 * 0.1
+    assert data["speedup"] == pytest.approx(3.3616 / 1.8)
+    assert data["leviathan_speedup"] == pytest.approx(3.3616 / 1.4)
+    args = ["simulate", "--alpha", "0.8", "--c", "0.1", "--row-cost", "0.1"]
+    text = _runner().invoke(_app(), args).stdout
+    assert "T(n) = 1 + (n − 1)·0.1" in text and "speedup if rows were free" in text
+
+
+def test_cli_says_when_no_k_pays() -> None:
+    # a = 0.5, c = 0.5, v = 0.3: K = 1 gives 1.5 / (0.5 + 1.3) = 0.83, longer rounds less
+    args = ["simulate", "--alpha", "0.5", "--c", "0.5", "--row-cost", "0.3"]
+    assert "no K pays at these costs" in _runner().invoke(_app(), args).stdout
+    args = ["simulate", "--alpha", "0.5", "--c", "0.5"]  # 1.5 / 1.5 = 1.0 without the rows
+    assert "no K pays" not in _runner().invoke(_app(), args).stdout
+
+
+def test_cli_pass_curve_moves_the_optimal_k() -> None:
+    curve = "1,1,1,1,2,2,2,2"  # the stepped curve above: K = 3 beats the flat theory's K = 13
+    data = _json("--alpha", "0.9", "--c", "0.05", "--pass-curve", curve)
+    assert data["pass_cost"]["source"] == "--pass-curve"
+    assert data["pass_cost"]["pass_curve"] == [1.0, 1.0, 1.0, 1.0, 2.0, 2.0, 2.0, 2.0]
+    assert data["pass_cost"]["row_cost"] == pytest.approx(1 / 7)
+    assert (data["k"], data["optimal_k"], data["leviathan_optimal_k"]) == (3, 3, 13)
+    assert data["optimal_speedup"] == pytest.approx(3.439 / 1.15)
 
 
 def test_module_json_stdout_is_exactly_one_object() -> None:
