@@ -491,3 +491,29 @@ def test_importing_theory_and_cli_does_not_import_torch() -> None:
 def test_sparkline() -> None:
     assert sparkline([1.0, 2.0, 3.0]) == "▁▅█"  # (2-1)/(3-1)*7 = 3.5 rounds to 4 -> "▅"
     assert sparkline([2.0, 2.0]) == "▅▅"  # flat curve: middle block
+
+
+# --- `make demo`: the bound for this machine --------------------------------------------------
+
+
+def test_the_demo_sets_the_prediction_beside_the_measurement() -> None:
+    from understudy.demo import machine_bound
+    from understudy.engine.stats import GenerationStats
+    from understudy.policy.costs import Costs
+
+    curve = (1.0, 1.1, 1.2, 1.3, 1.4, 1.5, 1.6, 1.7)
+    costs = Costs(draft_step=0.25, row=0.1, pass_curve=curve)
+    # every guess kept (a = 1), 54 guesses over 10 rounds: K = round(5.4) = 5, E = 6 tokens;
+    # the round costs 5 * 0.25 + T(6) = 1.25 + 1.5 = 2.75 -> 6 / 2.75 = 2.18x predicted,
+    # and 6 / (1.25 + 1) = 2.67x if the 6-row pass cost one one-row pass
+    stats = GenerationStats("draft", "auto", rounds=10, drafted=54, accepted=54, acceptance_rate=1)
+    line = machine_bound(costs, stats, 1.53)
+    assert "c = 0.25" in line and "a pass of 6 rows 1.50" in line
+    assert "acceptance 100% and K = 5 (mean 5.4 a round)" in line
+    assert "2.18x[/bold] predicted, 1.53x measured (2.67x if rows were free)" in line
+    rare = GenerationStats("draft", "auto", rounds=10, drafted=2, accepted=2, acceptance_rate=1.0)
+    assert "K = 1 (mean 0.2 a round; most drafted nothing" in machine_bound(costs, rare, 1.0)
+    padded = machine_bound(Costs(draft_step=0.25), stats, 1.53)
+    assert "padded passes" in padded and "2.67x[/bold] predicted" in padded
+    idle = GenerationStats("draft", "auto", rounds=10)
+    assert "drafted nothing" in machine_bound(costs, idle, 1.0)

@@ -2,7 +2,8 @@
 
 Loads the packaged default pair (fetched and converted on first use, cached after), runs
 method="none" and method="draft" on one code prompt, greedy, and prints both outputs, whether
-they are identical, and the measured speedup.
+they are identical, the measured speedup, and beside it the speedup the theory predicts for
+this machine (policy/theory.py): the engine's measured costs, the run's acceptance and K.
 """
 
 from __future__ import annotations
@@ -12,6 +13,9 @@ from rich.table import Table
 
 from understudy.config import SamplingParams
 from understudy.engine.engine import Engine
+from understudy.engine.stats import GenerationStats
+from understudy.policy.costs import Costs
+from understudy.policy.theory import PassCost, alpha_from_acceptance_rate, expected_speedup
 
 PROMPT = (
     "def merge_sorted(a: list[int], b: list[int]) -> list[int]:\n"
@@ -59,8 +63,31 @@ def main(max_tokens: int = 96) -> None:
     base, fast = results.values()
     same = base.token_ids == fast.token_ids
     console.print(f"identical output: [bold]{'yes' if same else 'NO'}[/bold]")
-    console.print(
-        f"measured speedup: [bold]{fast.stats.tokens_per_s / base.stats.tokens_per_s:.2f}x[/bold]"
+    measured = fast.stats.tokens_per_s / base.stats.tokens_per_s
+    console.print(f"measured speedup: [bold]{measured:.2f}x[/bold]")
+    console.print(machine_bound(spec.costs, fast.stats, measured))
+
+
+def machine_bound(costs: Costs, stats: GenerationStats, measured: float) -> str:
+    """The theory at this machine's costs (c and the pass curve, measured when the engine was
+    built) and the run's own acceptance and K: E / (K·c + T(K+1)), beside the measured figure
+    and Leviathan et al.'s flat-pass figure, which leaves the rows' cost out."""
+    if stats.drafted == 0:
+        return "the theory: the engine drafted nothing in this run (speculation did not pay)"
+    passes = PassCost(row=costs.row, curve=costs.pass_curve)
+    mean_k = stats.drafted / stats.rounds
+    k = max(1, round(mean_k))
+    alpha = alpha_from_acceptance_rate(stats.acceptance_rate, k)
+    predicted = expected_speedup(alpha, k, costs.draft_step, passes)
+    free = expected_speedup(alpha, k, costs.draft_step)
+    how = "its measured pass curve" if costs.pass_curve else "padded passes: rows are free"
+    few = "; most drafted nothing: a guess was not worth its cost" if mean_k < 0.5 else ""
+    return (
+        f"this machine: a draft step costs c = {costs.draft_step:.2f} one-row target passes, "
+        f"a pass of {k + 1} rows {passes.rows(k + 1):.2f} ({how})\n"
+        f"the theory at the run's acceptance {stats.acceptance_rate:.0%} and K = {k} "
+        f"(mean {mean_k:.1f} a round{few}): E / (K·c + T(K+1)) = [bold]{predicted:.2f}x[/bold] "
+        f"predicted, {measured:.2f}x measured ({free:.2f}x if rows were free)"
     )
 
 
