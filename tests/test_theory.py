@@ -503,17 +503,24 @@ def test_the_demo_sets_the_prediction_beside_the_measurement() -> None:
 
     curve = (1.0, 1.1, 1.2, 1.3, 1.4, 1.5, 1.6, 1.7)
     costs = Costs(draft_step=0.25, row=0.1, pass_curve=curve)
-    # every guess kept (a = 1), 54 guesses over 10 rounds: K = round(5.4) = 5, E = 6 tokens;
-    # the round costs 5 * 0.25 + T(6) = 1.25 + 1.5 = 2.75 -> 6 / 2.75 = 2.18x predicted,
+    # every guess kept (a = 1), 54 guesses over 10 rounds, all drafting: K = round(5.4) = 5,
+    # E = 6 tokens; a round costs 5 * 0.25 + T(6) = 1.25 + 1.5 = 2.75 -> 6 / 2.75 = 2.18x,
     # and 6 / (1.25 + 1) = 2.67x if the 6-row pass cost one one-row pass
     stats = GenerationStats("draft", "auto", rounds=10, drafted=54, accepted=54, acceptance_rate=1)
-    line = machine_bound(costs, stats, 1.53)
+    line = machine_bound(costs, stats, 10, 1.53)
     assert "c = 0.25" in line and "a pass of 6 rows 1.50" in line
-    assert "acceptance 100% and K = 5 (mean 5.4 a round)" in line
+    assert "acceptance 100% and K = 5 (the mean of the 10 of 10 rounds that drafted)" in line
     assert "2.18x[/bold] predicted, 1.53x measured (2.67x if rows were free)" in line
-    rare = GenerationStats("draft", "auto", rounds=10, drafted=2, accepted=2, acceptance_rate=1.0)
-    assert "K = 1 (mean 0.2 a round; most drafted nothing" in machine_bound(costs, rare, 1.0)
-    padded = machine_bound(Costs(draft_step=0.25), stats, 1.53)
+    padded = machine_bound(Costs(draft_step=0.25), stats, 10, 1.53)
     assert "padded passes" in padded and "2.67x[/bold] predicted" in padded
+    # 3 of 10 rounds drafted 2 guesses each, all kept; 7 rounds of plain decoding:
+    # tokens 7 + 3 * 3 = 16, passes 7 + 3 * (2 * 0.25 + T(3) = 1.7) = 12.1 -> 1.32x;
+    # with free rows 7 + 3 * 1.5 = 11.5 -> 1.39x
+    rare = GenerationStats("draft", "auto", rounds=10, drafted=6, accepted=6, acceptance_rate=1)
+    line = machine_bound(costs, rare, 3, 1.2)
+    assert (
+        "K = 2 (the mean of the 3 of 10 rounds that drafted, 1 token a pass in the other 7)" in line
+    )
+    assert "1.32x[/bold] predicted, 1.20x measured (1.39x if rows were free)" in line
     idle = GenerationStats("draft", "auto", rounds=10)
-    assert "drafted nothing" in machine_bound(costs, idle, 1.0)
+    assert "drafted nothing" in machine_bound(costs, idle, 0, 1.0)
