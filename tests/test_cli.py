@@ -153,3 +153,28 @@ def test_subcommands_have_help():
     for sub in ("generate", "simulate", "serve", "bench"):
         run = cli(sub, "--help", timeout=120)
         assert run.returncode == 0, (sub, run.stderr)
+
+
+def test_simulate_help_says_measure_is_slow():
+    run = cli("simulate", "--help", timeout=120)
+    assert run.returncode == 0, run.stderr
+    for option in ("--row-cost", "--pass-curve", "--measure", "SLOW"):
+        assert option in run.stdout
+
+
+@pytest.mark.e2e
+def test_simulate_measure_reads_the_default_engines_costs():
+    """--measure builds the default engine and predicts with the costs it measured: its c and
+    its pass curve (flat where its passes are padded to one shape)."""
+    run = cli("simulate", "--alpha", "0.95", "-k", "4", "--measure", "--json", timeout=1200)
+    assert run.returncode == 0, run.stderr
+    data = json.loads(run.stdout)  # the engine's loading wrote nothing else to stdout
+    passes = data["pass_cost"]
+    assert passes["source"] == "measured on the default engine"
+    assert 0.0 < data["c"] <= 1.0
+    curve = passes["pass_curve"]
+    assert curve == [] or (curve[0] == 1.0 and curve == sorted(curve))
+    t5 = curve[4] if len(curve) >= 5 else 1.0 + 4 * passes["row_cost"]  # a pass of K + 1 rows
+    e = (1 - 0.95**5) / 0.05
+    assert data["round_cost"] == pytest.approx(4 * data["c"] + t5)
+    assert data["speedup"] == pytest.approx(e / (4 * data["c"] + t5))

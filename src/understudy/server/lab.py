@@ -1,14 +1,16 @@
 """The Lab: /lab (one self-contained HTML page) and the JSON/SSE endpoints it drives.
 
 - GET  /lab                the page (src/understudy/web/lab.html; no external network)
-- GET  /lab/api/info       what the server runs: model, method, K, measured draft cost c
+- GET  /lab/api/info       what the server runs: model, method, K, its measured costs (draft
+                           cost c, row cost v, pass curve)
 - POST /lab/api/run        one generation on the real engine, streamed as server-sent events:
                            {"type": "start"}, a {"type": "token"} per emitted token (its
                            origin, round, the round's drafted tokens -- rejected ones
                            included -- and live counters), then {"type": "done"} with the stats.
                            mode "plain" uses the same weights with method="none".
 - GET  /lab/api/theory     `understudy.theory.simulate_report`: the same numbers as
-                           `understudy simulate` (Act 3's dial).
+                           `understudy simulate` (Act 3's dial), rows charged at row_cost
+                           or a comma-separated pass_curve.
 - GET  /lab/api/alpha      the per-token acceptance α implied by a measured
                            accepted/drafted rate at K (inverts `expected_acceptance_rate`).
 """
@@ -142,7 +144,8 @@ def alpha_from_acceptance(rate: float, k: int) -> float:
 def _theory_error(error: UnderstudyError) -> APIError:
     message = str(error)
     first = message.split(" ", 1)[0]
-    param = {"alpha": "alpha", "c": "c", "K": "k"}.get(first)
+    params = {"alpha": "alpha", "c": "c", "K": "k", "row_cost": "row_cost"}
+    param = params.get(first) or ("pass_curve" if first == "pass_curve" else None)
     return APIError(400, message, param)
 
 
@@ -171,6 +174,8 @@ def add_lab_routes(
             "method": engine.method,
             "k": engine.k,
             "cost_ratio": engine.costs.draft_step,
+            "row_cost": engine.costs.row,
+            "pass_curve": list(engine.costs.pass_curve),
             "max_context": engine.max_context,
             "max_tokens": LAB_MAX_TOKENS,
             "chat_template": bool(
@@ -180,11 +185,24 @@ def add_lab_routes(
         }
 
     @app.get("/lab/api/theory", responses=error_responses(400, *auth, 422))
-    async def lab_theory(alpha: float, c: float, k: int | None = None) -> dict[str, Any]:
-        from understudy.policy.theory import simulate_report
+    async def lab_theory(
+        alpha: float,
+        c: float,
+        k: int | None = None,
+        row_cost: float | None = None,
+        pass_curve: str | None = None,
+    ) -> dict[str, Any]:
+        from understudy.policy.theory import PassCost, parse_pass_curve, simulate_report
 
+        if row_cost is not None and pass_curve is not None:
+            raise APIError(400, "give row_cost or pass_curve, not both", "pass_curve")
         try:
-            return simulate_report(alpha, c, k, rounds=THEORY_ROUNDS)
+            passes = (
+                PassCost(row=row_cost or 0.0)
+                if pass_curve is None
+                else PassCost.from_curve(parse_pass_curve(pass_curve))
+            )
+            return simulate_report(alpha, c, k, passes=passes, rounds=THEORY_ROUNDS)
         except UnderstudyError as error:
             raise _theory_error(error) from None
 
