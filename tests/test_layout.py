@@ -79,7 +79,6 @@ LAYER_EXCEPTIONS_BEING_REMOVED = frozenset(
 # Functions ("path under src/understudy:qualified name") whose body is still over the limit.
 FUNCTIONS_BEING_SPLIT = frozenset(
     {
-        "server/lab.py:add_lab_routes",  # being removed by the engine-loop change
         "cli/train_head.py:train_head_command",  # being split on branch head
         "head/train.py:train",  # being split on branch head
     }

@@ -85,7 +85,7 @@ def machine_bound(costs: Costs, stats: GenerationStats, drafting: int, measured:
     automatic K judged a guess not worth it there) yields 1 token for 1 pass."""
     if drafting == 0 or stats.drafted == 0:
         return "the theory: the engine drafted nothing in this run (speculation did not pay)"
-    passes = PassCost(row=costs.row, curve=costs.pass_curve)
+    passes = PassCost(row=costs.row, curve=costs.pass_curve.ratios)
     c, plain = costs.draft_step, stats.rounds - drafting
     k = max(1, round(stats.drafted / drafting))
     tokens = plain + drafting * expected_tokens_per_round(

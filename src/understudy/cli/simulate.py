@@ -122,7 +122,7 @@ def measured_costs() -> tuple[float, PassCost]:
     from understudy.engine.engine import Engine  # torch: only here
 
     costs = Engine.from_pretrained().costs
-    return costs.draft_step, PassCost(row=costs.row, curve=costs.pass_curve)
+    return costs.draft_step, PassCost(row=costs.row, curve=costs.pass_curve.ratios)
 
 
 def sparkline(values: list[float]) -> str:

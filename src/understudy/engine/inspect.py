@@ -308,7 +308,9 @@ def method_verdicts(target: Weightless, draft: DraftVerdict) -> tuple[list[Metho
             refuse_on_fallback(target.loaded, None, drafter.traits.wants_hidden)
             if drafter.traits.needs_draft_model and not draft.compatible:
                 raise UnderstudyError(f"needs a draft model: {draft.why}")
-            why = f"draft {draft.model!r}" if drafter.traits.needs_draft_model else "no model needed"
+            why = (
+                f"draft {draft.model!r}" if drafter.traits.needs_draft_model else "no model needed"
+            )
             if drafter.traits.draft_names_head:
                 head = str(find_head(target.loaded, None))
                 why = f"trained head in {head}"

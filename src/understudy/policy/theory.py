@@ -100,7 +100,7 @@ class PassCost:
     """T(n): a target pass of n rows, in one-row passes.
 
     `curve[n − 1]` is t(n) / t(1) for n = 1..len(curve) where measured (the engine measures
-    it when it is built: engine.costs.pass_curve); past the curve, or without one,
+    it when it is built: engine.costs.pass_curve.ratios); past the curve, or without one,
     T(n) = 1 + (n − 1)·`row`. The same reading as the engine's round planner
     (policy/adaptive_k.py), so the theory predicts what the engine weighs. The default,
     row 0 and no curve, is a flat pass: Leviathan et al.'s cost model.

@@ -18,7 +18,7 @@
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from importlib import resources
 from typing import Any, Literal
 
@@ -127,20 +127,6 @@ def lab_work(engines: _Engines, run: LabRun, params: SamplingParams) -> Callable
     return work
 
 
-def alpha_from_acceptance(rate: float, k: int) -> float:
-    """The α whose expected accepted/drafted at K equals `rate` (bisection; monotone in α)."""
-    from understudy.policy.theory import expected_acceptance_rate
-
-    low, high = 0.0, 1.0
-    for _ in range(60):
-        mid = (low + high) / 2
-        if expected_acceptance_rate(mid, k) < rate:
-            low = mid
-        else:
-            high = mid
-    return (low + high) / 2
-
-
 def _theory_error(error: UnderstudyError) -> APIError:
     message = str(error)
     first = message.split(" ", 1)[0]
@@ -158,8 +144,16 @@ def add_lab_routes(
     model_name: str,
     auth_required: bool,
 ) -> None:
-    engines = _Engines(engine)
+    """The Lab's page and API on `app`, over the served `engine`."""
     auth = (401,) if auth_required else ()
+    _add_page_and_info(app, engine, auth, model_name=model_name, auth_required=auth_required)
+    _add_theory_routes(app, auth)
+    _add_run_route(app, _Engines(engine), submit, metrics, auth)
+
+
+def _add_page_and_info(
+    app: FastAPI, engine: Any, auth: tuple[int, ...], *, model_name: str, auth_required: bool
+) -> None:
     page = resources.files("understudy").joinpath("web/lab.html").read_text(encoding="utf-8")
 
     @app.get("/lab", response_class=HTMLResponse)
@@ -175,7 +169,7 @@ def add_lab_routes(
             "k": engine.k,
             "cost_ratio": engine.costs.draft_step,
             "row_cost": engine.costs.row,
-            "pass_curve": list(engine.costs.pass_curve),
+            "pass_curve": list(engine.costs.pass_curve.ratios),
             "max_context": engine.max_context,
             "max_tokens": LAB_MAX_TOKENS,
             "chat_template": bool(
@@ -183,6 +177,10 @@ def add_lab_routes(
             ),
             "auth_required": auth_required,
         }
+
+
+def _add_theory_routes(app: FastAPI, auth: tuple[int, ...]) -> None:
+    """Act 3's dial: the theory at given α, c and row costs, and α from a measured rate."""
 
     @app.get("/lab/api/theory", responses=error_responses(400, *auth, 422))
     async def lab_theory(
@@ -208,12 +206,23 @@ def add_lab_routes(
 
     @app.get("/lab/api/alpha", responses=error_responses(400, *auth, 422))
     async def lab_alpha(acceptance_rate: float, k: int) -> dict[str, Any]:
-        if not 0.0 <= acceptance_rate <= 1.0:
-            raise APIError(400, "acceptance_rate must be in [0, 1]", "acceptance_rate")
+        from understudy.policy.theory import alpha_from_acceptance_rate
+
         if not 1 <= k <= 64:
             raise APIError(400, "k must be in 1..64", "k")
-        return {"alpha": alpha_from_acceptance(acceptance_rate, k), "k": k}
+        try:
+            return {"alpha": alpha_from_acceptance_rate(acceptance_rate, k), "k": k}
+        except UnderstudyError as error:
+            raise APIError(400, str(error), "acceptance_rate") from None
 
+
+def _add_run_route(
+    app: FastAPI,
+    engines: _Engines,
+    submit: Callable[[Callable[[Job], None]], Job],
+    metrics: Metrics,
+    auth: tuple[int, ...],
+) -> None:
     @app.post(
         "/lab/api/run",
         response_class=StreamingResponse,
@@ -248,37 +257,32 @@ def add_lab_routes(
         start = {
             "type": "start",
             "mode": run.mode,
-            "method": engine.method if run.mode == "spec" else "none",
+            "method": engines.engine.method if run.mode == "spec" else "none",
             "prompt_tokens": first[1]["prompt_tokens"],
         }
+        body = _run_events(job, events, start, metrics)
+        return StreamingResponse(body, media_type="text/event-stream", headers=SSE_HEADERS)
 
-        async def body() -> Any:
-            ttft = None
-            try:
-                yield sse(start)
-                async for kind, payload in events:
-                    if kind == "token":
-                        if ttft is None:
-                            ttft = time.perf_counter() - job.submitted_at
-                        yield sse(payload)
-                    elif kind == "done":
-                        account(metrics, job, payload, ttft)
-                        yield sse(
-                            {
-                                "type": "done",
-                                "text": payload.text,
-                                "token_ids": payload.token_ids,
-                                "stats": payload.stats.to_dict(),
-                            }
-                        )
-                    elif kind == "error":
-                        yield sse({"type": "error", "message": as_api_error(payload).message})
-            finally:
-                job.cancel()
-                await events.aclose()
 
-        return StreamingResponse(
-            body(),
-            media_type="text/event-stream",
-            headers=SSE_HEADERS,
-        )
+async def _run_events(
+    job: Job, events: AsyncGenerator[tuple[str, Any]], start: dict[str, Any], metrics: Metrics
+) -> AsyncIterator[bytes]:
+    """A Lab run's server-sent events: start, a token each, then done (or error)."""
+    ttft = None
+    try:
+        yield sse(start)
+        async for kind, payload in events:
+            if kind == "token":
+                if ttft is None:
+                    ttft = time.perf_counter() - job.submitted_at
+                yield sse(payload)
+            elif kind == "done":
+                account(metrics, job, payload, ttft)
+                done = {"type": "done", "text": payload.text, "token_ids": payload.token_ids,
+                        "stats": payload.stats.to_dict()}  # fmt: skip
+                yield sse(done)
+            elif kind == "error":
+                yield sse({"type": "error", "message": as_api_error(payload).message})
+    finally:
+        job.cancel()
+        await events.aclose()

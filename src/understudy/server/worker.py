@@ -35,7 +35,7 @@ import queue
 import threading
 import time
 from collections import deque
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncGenerator, Awaitable, Callable
 from typing import Any
 
 from understudy.engine.scheduler import Scheduler
@@ -100,7 +100,7 @@ class Job:
 
     async def stream(
         self, is_disconnected: Callable[[], Awaitable[bool]], poll_s: float = 0.25
-    ) -> AsyncIterator[tuple[str, Any]]:
+    ) -> AsyncGenerator[tuple[str, Any]]:
         """The job's events, up to and including the terminal one. Checks the client between
         events (and every `poll_s` while waiting) and cancels the job when it has gone; the
         iteration then simply ends."""
