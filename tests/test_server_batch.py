@@ -28,6 +28,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from server_helpers import ServerProcess, serve_in_thread
+from understudy.engine import scheduler as scheduler_module
 from understudy.engine.engine import Engine
 from understudy.engine.seats import kv_bytes_per_seat
 from understudy.server.app import create_app
@@ -247,16 +248,16 @@ def test_an_engine_fault_in_one_sequence_fails_it_alone_and_gives_its_seat_back(
     app = create_app(engine)
     name = app.state.model_name
     marked = engine.encode("# fault")
-    prefill = engine._prefill
+    real_start = scheduler_module.start_request
 
-    def faulty(prompt_ids, params, seat):
+    def faulty(target, max_context, prompt_ids, params, seat):
         if list(prompt_ids) == marked:
             raise RuntimeError("an engine fault")
-        return prefill(prompt_ids, params, seat)
+        return real_start(target, max_context, prompt_ids, params, seat)
 
     good = {"model": name, "prompt": "def add(a, b):", "max_tokens": 12, "temperature": 0,
             "ignore_eos": True}  # fmt: skip
-    engine._prefill = faulty
+    scheduler_module.start_request = faulty
     try:
         with serve_in_thread(app) as url:
             want = httpx.post(url + "/v1/completions", json=good, timeout=60).json()
@@ -278,4 +279,4 @@ def test_an_engine_fault_in_one_sequence_fails_it_alone_and_gives_its_seat_back(
             assert response.json()["usage"]["completion_tokens"] == 12 * len(engine.scheduler.seats)
             assert len(engine.scheduler.free) == len(engine.scheduler.seats)
     finally:
-        del engine._prefill  # the class's method again
+        scheduler_module.start_request = real_start

@@ -499,10 +499,11 @@ def test_sparkline() -> None:
 def test_the_demo_sets_the_prediction_beside_the_measurement() -> None:
     from understudy.demo import machine_bound
     from understudy.engine.stats import GenerationStats
-    from understudy.policy.costs import Costs
+    from understudy.policy.costs import Costs, PassCurve
 
     curve = (1.0, 1.1, 1.2, 1.3, 1.4, 1.5, 1.6, 1.7)
-    costs = Costs(draft_step=0.25, row=0.1, pass_curve=curve)
+    measured = PassCurve(tuple(range(1, len(curve) + 1)), curve)
+    costs = Costs(draft_step=0.25, row=0.1, pass_curve=measured)
     # every guess kept (a = 1), 54 guesses over 10 rounds, all drafting: K = round(5.4) = 5,
     # E = 6 tokens; a round costs 5 * 0.25 + T(6) = 1.25 + 1.5 = 2.75 -> 6 / 2.75 = 2.18x,
     # and 6 / (1.25 + 1) = 2.67x if the 6-row pass cost one one-row pass

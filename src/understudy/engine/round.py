@@ -66,18 +66,22 @@ def plan_round(running: list[Running], costs: BatchCosts | None) -> list[Plan]:
     plans = [s.planner.plan(s.request.emitter.remaining) for s in running]
     if costs is None or len(running) < 2 or running[0].planner.k != "auto":
         return plans
-    wishes = [
-        Wish(
-            plan.nodes if plan.tree else plan.k,
-            s.params.greedy and not plan.tree,
-            s.planner.expected_tokens_upto(plan.k).__getitem__,  # k <= want: one sweep
-            s.draft_lag(),
-            s.request.emitter.remaining,
-        )
-        for s, plan in zip(running, plans, strict=True)
-    ]
+    wishes = [wish(s, plan) for s, plan in zip(running, plans, strict=True)]
     cap = choose_cap(wishes, costs)
     return [p.capped(cap) if w.capped else p for p, w in zip(plans, wishes, strict=True)]
+
+
+def wish(sequence: Running, plan: Plan) -> Wish:
+    """The sequence's view of the round for the batch's cap: a greedy chain may be capped;
+    a tree or a sampled chain keeps its plan, and its rows (a tree's nodes) count."""
+    tokens = sequence.planner.expected_tokens_upto(plan.k)  # one sweep
+    return Wish(
+        plan.nodes if plan.tree else plan.k,
+        sequence.params.greedy and not plan.tree,
+        lambda k: tokens[min(k, plan.k)],  # a tree: its chain's estimate at its depth
+        sequence.draft_lag(),
+        sequence.request.emitter.remaining,
+    )
 
 
 def draft_request(sequence: Running, plan: Plan) -> DraftRequest:
