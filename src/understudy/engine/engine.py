@@ -23,7 +23,12 @@ from typing import TYPE_CHECKING, overload
 
 import torch
 
-from understudy.config import SamplingParams, UnderstudyError, parse_num_speculative_tokens
+from understudy.config import (
+    SamplingParams,
+    TreeMode,
+    UnderstudyError,
+    parse_num_speculative_tokens,
+)
 from understudy.drafters.base import Drafter
 from understudy.engine.emitter import TokenEvent
 from understudy.engine.outputs import GenerationOutput, RoundEvent, TokenStream
@@ -100,9 +105,14 @@ class Engine:
         return self.seat.drafter
 
     @property
+    def tree_mode(self) -> TreeMode:
+        """The drafter's tree option: "off", "on", or "auto" (trees where they pay)."""
+        return self.scheduler.setup.rules.tree_mode
+
+    @property
     def tree(self) -> bool:
         """Whether rounds may draft trees (tree="on", or "auto" where they pay)."""
-        return self.scheduler.setup.rules.tree_mode in ("on", "auto")
+        return self.tree_mode in ("on", "auto")
 
     @property
     def pad(self) -> bool:
