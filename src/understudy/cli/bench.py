@@ -119,7 +119,7 @@ def bench(
         str | None,
         typer.Option(
             help="Soak run: how long the clients send: seconds, or 90s, 10m, 1h (default 10m)."
-        ),  # fmt: skip
+        ),
     ] = None,
     resume: Annotated[
         bool,
