@@ -46,7 +46,7 @@ class MethodSpec:
 
     @property
     def needs_draft_model(self) -> bool:
-        return self.method != BASELINE and DRAFTERS[self.method].needs_draft_model
+        return self.method != BASELINE and DRAFTERS[self.method].traits.needs_draft_model
 
 
 def registered_methods() -> tuple[str, ...]:
