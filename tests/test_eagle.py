@@ -291,10 +291,10 @@ def test_sampling_law_with_doubt(sampling_head):
 def test_wrong_verifier_fails_the_same_test(sampling_eagle, monkeypatch):
     """Mutation check: resampling from p instead of the residual max(0, p - q) after a
     rejected guess of the head is detected by the same test."""
-    import understudy.engine.engine as engine_module
+    import understudy.engine.verdict as verdict_module
     from stats_helpers import resample_from_p_verify
 
-    monkeypatch.setattr(engine_module, "verify_sampling", resample_from_p_verify)
+    monkeypatch.setattr(verdict_module, "verify_sampling", resample_from_p_verify)
     params = SamplingParams(ignore_eos=True, **WARPS["top_k"])
     pvalue = goodness_of_fit(sampling_eagle, [11, 42, 7], params, samples=1500)
     assert pvalue < P_THRESHOLD, f"the wrong verifier was not detected (p = {pvalue:.3f})"
@@ -310,10 +310,10 @@ def test_tree_sampling_matches_target_law(sampling_eagle_tree, warp):
 
 def test_wrong_tree_rule_fails_the_same_test(sampling_eagle_tree, monkeypatch):
     """Mutation: the sibling rule that never takes rejected siblings out of p is detected."""
-    import understudy.engine.engine as engine_module
+    import understudy.engine.verdict as verdict_module
     from stats_helpers import wrong_sibling_rule
 
-    monkeypatch.setattr(engine_module, "verify_tree_sampling", wrong_sibling_rule)
+    monkeypatch.setattr(verdict_module, "verify_tree_sampling", wrong_sibling_rule)
     params = SamplingParams(ignore_eos=True, **WARPS["top_k"])
     pvalue = goodness_of_fit(sampling_eagle_tree, [11, 42, 7], params, samples=1500)
     assert pvalue < P_THRESHOLD, f"the wrong sibling rule was not detected (p = {pvalue:.3f})"

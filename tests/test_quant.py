@@ -324,9 +324,9 @@ def test_sampling_with_quantized_draft_has_target_law(int4_engine, plain_samples
 
 def test_wrong_verifier_fails_the_same_test(int4_engine, plain_samples, monkeypatch):
     """Mutation check (the test has power): resampling from p instead of the residual."""
-    import understudy.engine.engine as engine_module
+    import understudy.engine.verdict as verdict_module
     from stats_helpers import resample_from_p_verify
 
-    monkeypatch.setattr(engine_module, "verify_sampling", resample_from_p_verify)
+    monkeypatch.setattr(verdict_module, "verify_sampling", resample_from_p_verify)
     pvalue = homogeneity_pvalue(first_tokens(int4_engine, 1200, seed0=0), plain_samples)
     assert pvalue < P_THRESHOLD, f"the wrong verifier was not detected (p = {pvalue:.3f})"
