@@ -17,8 +17,9 @@
  * walking the panel, their float accumulators in registers (plain decoding's one-row call).
  * From 5 rows of 256-value blocks the panel is walked once, block by block: every group runs
  * against a block while the next block is asked of memory a slice per sub-block, and a later
- * group decodes the block again from L1. (A walk of the whole panel per group of 4 had each
- * group past the first wait on memory again: a 5th row cost half a one-row call.)
+ * group decodes the block again from L1. (A walk of the whole panel per group had each group
+ * past the first wait on memory again.) Rows of 32-value blocks go in groups of up to 4, each
+ * walking the panel (panel_walks).
  *
  * How a block type plugs in: a function
  *     AI void <type>_block(blk, next, b, A, m0, const int R, __m512 *f)
@@ -147,12 +148,12 @@ AI __m512i select_low(__m512i lo, __m512i hi) {
 }
 
 /* Q6_K: 16 sub-blocks of 16 values, signed scales, values q - 32: the integer sum is
- * isum - 32 * jsum (jsum: the scales times the rows' sums per 16 values), formed here as one
- * sum, its -32 * scale * sum terms added by vpdpwssd */
+ * isum - 32 * jsum (jsum: the scales times the rows' sums per 16 values), formed as one sum,
+ * its -32 * scale * sum terms added by vpdpwssd (for one row, jsum apart) */
 AI void q6_k_block(const uint8_t *blk, const uint8_t *next, long b, const acts_t *A, long m0,
                    const int R, __m512 *f) {
     const __m512i m33 = _mm512_set1_epi8(0x33), mcc = _mm512_set1_epi8((char)0xcc);
-    __m512i isum[GROUP];
+    __m512i isum[GROUP], jsum = _mm512_setzero_si512();
     for (int r = 0; r < R; ++r) isum[r] = _mm512_setzero_si512();
     for (int p = 0; p < 8; ++p) {
         /* dword c: the scales of sub-blocks 2p (low word) and 2p + 1 (high word) */
@@ -175,14 +176,19 @@ AI void q6_k_block(const uint8_t *blk, const uint8_t *next, long b, const acts_t
                             select_low(_mm512_srli_epi16(v1, 4), _mm512_srli_epi16(h_hi, 2))};
             dots(w, 4, A->q + m0 * A->K + 256 * b + 16 * j, A->K, R, &sc, isum);
         }
+        const int16_t *s16 = A->s16 + m0 * (A->K / 16) + 16 * b + 2 * p;
+        if (R == 1) { /* a sum of its own, off the row's chain: one row measured faster so */
+            jsum = _mm512_dpwssd_epi32(jsum, pair, four((const int8_t *)s16));
+            continue;
+        }
         /* -32 x the scales: |value| <= 4096, an int16 */
         const __m512i minus32 =
             _mm512_sub_epi16(_mm512_setzero_si512(), _mm512_slli_epi16(pair, 5));
-        for (int r = 0; r < R; ++r) {
-            const int16_t *s16 = A->s16 + (m0 + r) * (A->K / 16) + 16 * b + 2 * p;
-            isum[r] = _mm512_dpwssd_epi32(isum[r], minus32, four((const int8_t *)s16));
-        }
+        for (int r = 0; r < R; ++r)
+            isum[r] = _mm512_dpwssd_epi32(isum[r], minus32,
+                                          four((const int8_t *)(s16 + r * (A->K / 16))));
     }
+    if (R == 1) isum[0] = _mm512_sub_epi32(isum[0], _mm512_slli_epi32(jsum, 5));
     const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)blk));
     for (int r = 0; r < R; ++r) {
         const __m512 s = _mm512_set1_ps(A->s[(m0 + r) * A->nb + b]);
