@@ -86,6 +86,23 @@ def test_all_layers_in_one_call_give_the_per_layer_bits(
         assert torch.equal(a, b)
 
 
+def test_a_pass_of_any_row_count_gives_each_row_its_one_row_logits(
+    kernel_pair: tuple[str, str],
+) -> None:
+    """A pass of n = 1 .. 16 rows (a verification of n - 1 guesses; the kernels group its
+    rows in every way they can) gives each row, bitwise, the logits that one-row passes, as
+    plain decoding makes them, give at its position."""
+    model = Engine.from_pretrained(method="none", target=kernel_pair[0], **OPTIONS).target.model
+    runner = Runner(model, 64, rows=16, pad=False)
+    tokens = torch.tensor([3, 17, 42, 7, 99, 250, 1, 64, 128, 5, 77, 31, 8, 2, 90, 11, 6, 200,
+                           45, 13, 160, 9])  # fmt: skip
+    runner.prefill(tokens[:6])
+    one_row = torch.cat([runner.extend(tokens[i : i + 1]) for i in range(6, 22)])  # [16, V]
+    for n in range(1, 17):
+        runner.truncate(6)
+        assert torch.equal(runner.extend(tokens[6 : 6 + n]), one_row[:n]), n
+
+
 def test_computes_what_the_modules_compute(kernel_pair: tuple[str, str]) -> None:
     """Logits of a prompt and 4 decode rows through the fused layers and through the
     modules: the same up to float rounding (relative RMS 1e-4; the int8 rounding of

@@ -7,6 +7,7 @@ format keeps them). References are float64 matmuls with gguf's own dequantized w
 from __future__ import annotations
 
 import ctypes
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -14,6 +15,7 @@ import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, dequantize
 
 from understudy.kernels import qgemm
+from understudy.kernels.build import compile_shared
 
 pytestmark = pytest.mark.skipif(not qgemm.available(), reason="qgemm cannot be built here")
 
@@ -123,7 +125,7 @@ def test_rows_are_bitwise_independent_of_call_size_and_threads() -> None:
         alone = torch.cat([linear(x[i : i + 1]) for i in range(40)])  # [40, out]
         for n_threads in (1, 2):
             torch.set_num_threads(n_threads)
-            for m in (1, 2, 3, 7, 8, 9, 16, 31, 32, 33, 40):
+            for m in (1, 2, 3, 4, 5, 7, 8, 9, 12, 16, 17, 25, 31, 32, 33, 40):
                 assert torch.equal(linear(x[:m]), alone[:m]), (n_threads, m)
             assert torch.equal(linear(x.flip(0)), alone.flip(0)), n_threads
     finally:
@@ -134,28 +136,79 @@ PORTABLE_BUILDS = {
     "scalar": ("-O2", "-march=x86-64", "-fopenmp", "-ffp-contract=off"),
     "avx2": ("-O3", "-march=haswell", "-fopenmp", "-ffp-contract=off"),
 }
+# row counts that reach every path of the vector kernels: one group of rows sharing each
+# decoded block (1-8 rows: accumulators in registers, or in L1 from 5 rows), groups side by
+# side (9-32: AVX-512 splits them into 2-4 groups of 4-8, AVX2 into groups of 8), and a
+# second tile of rows (33-40)
+ROW_COUNTS = (1, 2, 3, 4, 5, 6, 7, 8, 9, 12, 13, 16, 17, 25, 31, 32, 33, 40)
+
+
+def every_row_count(lib: ctypes.CDLL, kind: GGMLQuantizationType, block: int) -> list[torch.Tensor]:
+    """`lib`'s products (it packs the weights itself: a build's panel layout is its own) for
+    calls of each of ROW_COUNTS rows: 3 blocks a row (an odd count of 32-value blocks), 40
+    columns in 3 panels, the last one partial, and a bias; rows of magnitudes 1e-2 .. 10."""
+    cols = 3 * 256 + (block if block == 32 else 0)
+    weight = random_blocks(kind, 40, cols, seed=20)
+    linear = qgemm.QuantLinear([weight], torch.linspace(-1.0, 1.0, 40), lib=lib)
+    rows = torch.randn(40, cols, generator=torch.Generator().manual_seed(21))
+    xs = rows * torch.logspace(-2, 1, 40)[:, None]
+    return [linear(xs[:m]) for m in ROW_COUNTS]
 
 
 @pytest.mark.parametrize("build", sorted(PORTABLE_BUILDS))
 def test_every_instruction_set_gives_the_same_bits(build: str) -> None:
     """The portable C path and the AVX2 path compute the same integers and float steps as
     the path this CPU runs (AVX-512 where it has it): same bits, for every kernel type and
-    for groups of rows that do not fill a register group (1..11 rows). Each build packs the
-    weights itself: the panel layout may differ between builds (the AVX2 one orders Q5_0's
-    fifth bits as its kernel reads them)."""
+    every way a call's rows are grouped (ROW_COUNTS)."""
     other = qgemm.load(PORTABLE_BUILDS[build])
     native = qgemm.load()
     assert native is not None
     if other is None or other.understudy_qgemm_simd() == native.understudy_qgemm_simd():
         pytest.skip(f"no {build} build here, or it is what this CPU runs already")
     for kind, block in CASES:
-        cols = 512 + (block if block == 32 else 0)  # an odd count of 32-value blocks too
-        weight = random_blocks(kind, 16, cols, seed=20)
-        linear = qgemm.QuantLinear([weight], None)
-        packed_by_other = qgemm.QuantLinear([weight], None, lib=other)  # its own layout
-        xs = torch.randn(11, cols) * torch.logspace(-2, 1, 11)[:, None]
-        for m in (1, 3, 8, 11):
-            assert torch.equal(packed_by_other(xs[:m]), linear(xs[:m])), (kind.name, m)
+        theirs, ours = every_row_count(other, kind, block), every_row_count(native, kind, block)
+        for m, a, b in zip(ROW_COUNTS, theirs, ours, strict=True):
+            assert torch.equal(a, b), (kind.name, m)
+
+
+# Float steps of the AVX-512 Q4_K block in another order (qgemm_avx512.h's text: each
+# mutation names the lines it replaces): what the comparison above must catch
+FLOAT_ORDER_MUTATIONS = {
+    "mins term before the block's sum": (
+        "        f[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum[r]), _mm512_mul_ps(s, d), f[r]);\n"
+        "        f[r] = _mm512_fnmadd_ps(_mm512_cvtepi32_ps(jsum), _mm512_mul_ps(s, dmin), f[r]);\n",
+        "        f[r] = _mm512_fnmadd_ps(_mm512_cvtepi32_ps(jsum), _mm512_mul_ps(s, dmin), f[r]);\n"
+        "        f[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum[r]), _mm512_mul_ps(s, d), f[r]);\n",
+    ),
+    "mins term rounded before it is taken off": (
+        "        f[r] = _mm512_fnmadd_ps(_mm512_cvtepi32_ps(jsum), _mm512_mul_ps(s, dmin), f[r]);\n",
+        "        f[r] = _mm512_sub_ps(f[r], _mm512_mul_ps(_mm512_cvtepi32_ps(jsum),\n"
+        "                                                 _mm512_mul_ps(s, dmin)));\n",
+    ),
+}
+
+
+@pytest.mark.parametrize("mutation", sorted(FLOAT_ORDER_MUTATIONS))
+def test_a_different_float_order_fails_the_comparison(mutation: str, tmp_path: Path) -> None:
+    """The comparison across instruction sets has the power to see the order of the float
+    steps: an AVX-512 build whose Q4_K blocks take theirs in another order (the same
+    integers, the same operations) gives other bits than the portable build, which the
+    unchanged build matches (test_every_instruction_set_gives_the_same_bits)."""
+    native, scalar = qgemm.load(), qgemm.load(PORTABLE_BUILDS["scalar"])
+    if native is None or native.understudy_qgemm_simd() != 2 or scalar is None:
+        pytest.skip("no AVX-512 build or no portable build here")
+    for source in [qgemm.SOURCE, *qgemm.SOURCE.parent.glob("*.h")]:  # what it may include
+        (tmp_path / source.name).write_text(source.read_text())
+    header = tmp_path / "qgemm_avx512.h"
+    before, after = FLOAT_ORDER_MUTATIONS[mutation]
+    assert header.read_text().count(before) == 1, "the mutation's lines are not in the kernel"
+    header.write_text(header.read_text().replace(before, after))
+    built = compile_shared(tmp_path / "qgemm.c", tmp_path / "build")
+    mutant = None if built is None else qgemm.bind(built)
+    assert mutant is not None, "the mutated kernel did not build"
+    theirs = every_row_count(scalar, T.Q4_K, 256)
+    mutated = every_row_count(mutant, T.Q4_K, 256)
+    assert not any(torch.equal(a, b) for a, b in zip(theirs, mutated, strict=True))
 
 
 def test_refuses_shapes_it_cannot_take() -> None:
