@@ -47,8 +47,8 @@
 #define QG_AVX512 0
 #define QG_AVX2 1
 #define QG_UNUSED_IN_AVX512
-#define QG_UNUSED_IN_AVX2
-#define QG_UNUSED_IN_SIMD __attribute__((unused)) /* the AVX2 path replaces it */
+#define QG_UNUSED_IN_AVX2 __attribute__((unused)) /* the AVX2 path replaces it */
+#define QG_UNUSED_IN_SIMD QG_UNUSED_IN_AVX2
 #else
 #define QG_AVX512 0
 #define QG_AVX2 0
@@ -222,19 +222,8 @@ static void panel_rows(int type, const uint8_t *pk, const uint8_t *next, const a
     case T_Q4_0: panel_rows512(type, pk, A, m0, rows, bias, y, ldy, cols); break;
     default: panel_rows_portable(type, pk, A, m0, rows, bias, y, ldy, cols); break;
     }
-#elif QG_AVX2
-    switch (type) { /* the types qgemm_avx2.h has a body for; the others run the portable one */
-    case T_Q4_K:
-    case T_Q6_K:
-    case T_Q8_0:
-    case T_Q5_0:
-    case T_Q4_0:
-    case T_Q5_K:
-    case T_Q3_K:
-    case T_Q2_K:
-    case T_IQ4_XS: panel_rows_avx2(type, pk, next, A, m0, rows, bias, y, ldy, cols); break;
-    default: panel_rows_portable(type, pk, A, m0, rows, bias, y, ldy, cols); break;
-    }
+#elif QG_AVX2 /* a body for every type */
+    panel_rows_avx2(type, pk, next, A, m0, rows, bias, y, ldy, cols);
 #else
     (void)next;
     panel_rows_portable(type, pk, A, m0, rows, bias, y, ldy, cols);

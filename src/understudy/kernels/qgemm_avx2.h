@@ -255,7 +255,8 @@ AI2 void panel_rows_typed(const int type, const uint8_t *pk, const uint8_t *next
         panel_rows_typed(T_##T, pk, next, A, m0, rows, bias, y, ldy, cols);                     \
     }
 TYPED_ROWS(Q4_K) TYPED_ROWS(Q5_K) TYPED_ROWS(Q6_K) TYPED_ROWS(Q3_K) TYPED_ROWS(Q2_K)
-TYPED_ROWS(IQ4_XS) TYPED_ROWS(Q8_0) TYPED_ROWS(Q5_0) TYPED_ROWS(Q4_0)
+TYPED_ROWS(IQ4_XS) TYPED_ROWS(Q8_0) TYPED_ROWS(Q5_0) TYPED_ROWS(Q5_1) TYPED_ROWS(Q4_0)
+TYPED_ROWS(Q4_1) TYPED_ROWS(IQ4_NL)
 #undef TYPED_ROWS
 
 static void panel_rows_avx2(int type, const uint8_t *pk, const uint8_t *next, const acts_t *A,
@@ -264,7 +265,7 @@ static void panel_rows_avx2(int type, const uint8_t *pk, const uint8_t *next, co
     case T_##T: rows_##T(pk, next, A, m0, rows, bias, y, ldy, cols); break;
     switch (type) {
         CASE(Q4_K) CASE(Q5_K) CASE(Q6_K) CASE(Q3_K) CASE(Q2_K) CASE(IQ4_XS)
-        CASE(Q8_0) CASE(Q5_0) CASE(Q4_0)
+        CASE(Q8_0) CASE(Q5_0) CASE(Q5_1) CASE(Q4_0) CASE(Q4_1) CASE(IQ4_NL)
     default: break;
     }
 #undef CASE

@@ -194,58 +194,52 @@ AI2 void k16_half(const int type, const uint8_t *pk, const uint8_t *next, long n
     }
 }
 
-/* Q8_0, Q5_0 and Q4_0, half h: 32-value blocks. Q8_0: sum of w a directly (|w| and a's
- * sign: see the header); Q5_0: sum of q a less 16 sum a, q 0..31; Q4_0: less 8 sum a, q
- * 0..15 */
+/* 32-value blocks: Q8_0 (signed, stored + 128), IQ4_NL (table values): |w| against a with
+ * w's sign; Q5_0, Q4_0: sum of q a less 16 (8) sum a; Q5_1, Q4_1: sum of q a, and their min
+ * m times sum a in a second step (the portable path's -J with J = -sum a) */
 AI2 void b32_half(const int type, const uint8_t *pk, const uint8_t *next, long nb, long b,
                   const acts_t *A, long m0, const int R, int h, __m256 *f) {
+    const layout_t *L = &LAYOUTS[type];
     const __m256i low = _mm256_set1_epi8(0xf), flip = _mm256_set1_epi8((char)0x80);
-    const int q8 = type == T_Q8_0;
-    const long pb = panel_bytes(type);
-    const uint8_t *blk = pk + b * pb;
-    fetch_next(next, pb, h * nb + b);
-    __m256i w[8];
-    if (q8) {
+    const int signed_w = type == T_Q8_0 || type == T_IQ4_NL;
+    const uint8_t *blk = pk + b * L->bytes;
+    fetch_next(next, L->bytes, h * nb + b);
+    __m256i w[8], u[8];
+    if (type == T_Q8_0) {
         for (int g = 0; g < 8; ++g)
-            w[g] = _mm256_xor_si256(_mm256_loadu_si256((const __m256i *)(blk + 32 + 64 * g + 32 * h)), flip);
-    } else if (type == T_Q4_0) {
+            w[g] = _mm256_xor_si256(_mm256_loadu_si256((const __m256i *)(blk + L->lo + 64 * g + 32 * h)), flip);
+    } else {
         for (int t = 0; t < 4; ++t) {
-            __m256i v = _mm256_loadu_si256((const __m256i *)(blk + 32 + 64 * t + 32 * h));
+            __m256i v = _mm256_loadu_si256((const __m256i *)(blk + L->lo + 64 * t + 32 * h));
             w[2 * t] = _mm256_and_si256(v, low);
             w[2 * t + 1] = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
         }
-    } else {
-        /* byte 4c + i of hb: at bit 2t + s the fifth bit of value 8t + 4s + i of column
-         * 8h + c. A 16-bit shift by 4 - k (left) or k - 4 (right) brings bit k of every byte
-         * to its bit 4; no bit that lands there comes from the other byte of the word. */
-        const __m256i hb = _mm256_loadu_si256((const __m256i *)(blk + 288 + 32 * h));
-        const __m256i fifth = _mm256_set1_epi8(0x10);
-#define FIFTH_BITS(k) \
-    _mm256_and_si256((k) < 4 ? _mm256_slli_epi16(hb, 4 - (k)) : _mm256_srli_epi16(hb, (k) - 4), fifth)
-        for (int t = 0; t < 4; ++t) {
-            __m256i v = _mm256_loadu_si256((const __m256i *)(blk + 32 + 64 * t + 32 * h));
-            w[2 * t] = _mm256_or_si256(_mm256_and_si256(v, low), FIFTH_BITS(2 * t));
-            w[2 * t + 1] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(v, 4), low), FIFTH_BITS(2 * t + 1));
-        }
-#undef FIFTH_BITS
     }
+    if (type == T_Q5_0 || type == T_Q5_1) { /* the fifth bits: bit e / 4 of byte 4c + e % 4 */
+        const __m256i hb = _mm256_loadu_si256((const __m256i *)(blk + L->hi + 32 * h));
+        for (int e = 0; e < 8; ++e) w[e] = _mm256_or_si256(w[e], BIT_AT(hb, e, 4));
+    }
+    if (type == T_IQ4_NL)
+        for (int e = 0; e < 8; ++e) w[e] = _mm256_shuffle_epi8(kvalues_table(), w[e]);
+    if (signed_w)
+        for (int e = 0; e < 8; ++e) u[e] = _mm256_abs_epi8(w[e]); /* -128 -> 128, unsigned */
     const __m256 d = halfs8(blk + 16 * h);
     for (int r = 0; r < R; ++r) {
         const int8_t *a = A->q + (m0 + r) * A->K + 32 * b;
+        const int32_t sum = A->s32[(m0 + r) * (A->K / 32) + b];
+        const __m256i ones = _mm256_set1_epi16(1);
         __m256i t;
-        if (q8) { /* w signed: |w| (-128 -> 128, unsigned) against a with w's sign */
-            t = _mm256_setzero_si256();
-            for (int g = 0; g < 8; ++g)
-                t = _mm256_add_epi32(t, dot4_avx2(_mm256_abs_epi8(w[g]), _mm256_sign_epi8(four2(a + 4 * g), w[g])));
+        if (signed_w) {
+            t = signed_dot(u, w, a, ones, 8);
         } else {
-            const int32_t offset = (type == T_Q5_0 ? 16 : 8) * (int32_t)A->s32[(m0 + r) * (A->K / 32) + b];
-            const __m256i ones = _mm256_set1_epi16(1);
             t = _mm256_add_epi32(_mm256_madd_epi16(sum16(w, a, 4), ones),
                                  _mm256_madd_epi16(sum16(w + 4, a + 16, 4), ones));
-            t = _mm256_sub_epi32(t, _mm256_set1_epi32(offset));
+            t = _mm256_sub_epi32(t, _mm256_set1_epi32(L->offset * sum));
         }
         __m256 s = _mm256_set1_ps(A->s[(m0 + r) * nb + b]);
         f[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(t), _mm256_mul_ps(s, d), f[r]);
+        if (type == T_Q4_1 || type == T_Q5_1)
+            f[r] = _mm256_fmadd_ps(_mm256_set1_ps((float)sum), _mm256_mul_ps(s, halfs8(blk + L->dm + 16 * h)), f[r]);
     }
 }
 
