@@ -40,20 +40,17 @@
 #define QG_AVX512 1
 #define QG_AVX2 0
 #define QG_UNUSED_IN_AVX512 __attribute__((unused)) /* the AVX-512 path replaces it */
-#define QG_UNUSED_IN_AVX2
 #define QG_UNUSED_IN_SIMD QG_UNUSED_IN_AVX512
 #elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 #include <immintrin.h>
 #define QG_AVX512 0
 #define QG_AVX2 1
 #define QG_UNUSED_IN_AVX512
-#define QG_UNUSED_IN_AVX2 __attribute__((unused)) /* the AVX2 path replaces it */
-#define QG_UNUSED_IN_SIMD QG_UNUSED_IN_AVX2
+#define QG_UNUSED_IN_SIMD __attribute__((unused)) /* the AVX2 path replaces it */
 #else
 #define QG_AVX512 0
 #define QG_AVX2 0
 #define QG_UNUSED_IN_AVX512
-#define QG_UNUSED_IN_AVX2
 #define QG_UNUSED_IN_SIMD
 #endif
 
@@ -167,7 +164,7 @@ typedef struct {
  * form the same I and J their own ways (offsets of stored codes taken off through the
  * rows' sums per 16 or 32 values) and take the same float steps.
  * y[r * ldy + c] = f + bias[c], columns < cols. */
-QG_UNUSED_IN_AVX2 static void panel_rows_portable(int type, const uint8_t *pk, const acts_t *A, long m0,
+QG_UNUSED_IN_SIMD static void panel_rows_portable(int type, const uint8_t *pk, const acts_t *A, long m0,
                                                   long rows, const float *bias, float *y, long ldy,
                                                   long cols) {
     const layout_t *L = layout_of(type);
@@ -203,24 +200,25 @@ QG_UNUSED_IN_AVX2 static void panel_rows_portable(int type, const uint8_t *pk, c
 
 #if QG_AVX512
 #include "qgemm_avx512.h"
+#include "qgemm_avx2.h" /* the bodies of the types qgemm_avx512.h has none for */
 #elif QG_AVX2
 #include "qgemm_avx2.h"
 #endif
 #include "qgemm_float.h"
 
 /* Rows m0..m0+rows-1 of one panel of a type with blocks, by this build's body for it; `next`:
- * the part's next panel (NULL after its last), which the AVX2 path asks memory for */
+ * the part's next panel (NULL after its last), which the AVX2 bodies ask memory for */
 static void panel_rows(int type, const uint8_t *pk, const uint8_t *next, const acts_t *A, long m0,
                        long rows, const float *bias, float *y, long ldy, long cols) {
 #if QG_AVX512
-    (void)next;
-    switch (type) { /* the types qgemm_avx512.h has a body for; the others run the portable one */
+    switch (type) { /* the types qgemm_avx512.h has a body for (Q5_0's panels are this build's
+                     * own); the others run the AVX2 one, the same bits from the same panels */
     case T_Q4_K:
     case T_Q6_K:
     case T_Q8_0:
     case T_Q5_0:
     case T_Q4_0: panel_rows512(type, pk, A, m0, rows, bias, y, ldy, cols); break;
-    default: panel_rows_portable(type, pk, A, m0, rows, bias, y, ldy, cols); break;
+    default: panel_rows_avx2(type, pk, next, A, m0, rows, bias, y, ldy, cols); break;
     }
 #elif QG_AVX2 /* a body for every type */
     panel_rows_avx2(type, pk, next, A, m0, rows, bias, y, ldy, cols);

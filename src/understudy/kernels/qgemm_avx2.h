@@ -1,4 +1,5 @@
-/* qgemm.c's AVX2 path (AVX2 + FMA + F16C, for CPUs without AVX-512 VNNI), included by qgemm.c.
+/* qgemm.c's AVX2 path (AVX2 + FMA + F16C, for CPUs without AVX-512 VNNI; in the AVX-512 build,
+ * for the types qgemm_avx512.h has no body for), included by qgemm.c.
  *
  * The same integers and the same float steps as the portable path (panel_rows_portable) and
  * the AVX-512 one, so the same bits, for every block type (qgemm_avx2_blocks.h). A panel's
@@ -32,7 +33,7 @@ AI2 int32_t hsum8(__m256i v) {
  * sums are of integers. A NaN product (0 times the infinite inverse of a subnormal maximum)
  * becomes 0, the byte the portable path's conversion leaves (saturating packs would make it
  * -128). 32 values a step (every block size is a multiple of 32). */
-static void quantize_row_avx2(const float *x, long K, int block, int8_t *q, float *scale,
+QG_UNUSED_IN_AVX512 static void quantize_row_avx2(const float *x, long K, int block, int8_t *q, float *scale,
                               int16_t *bsum) {
     const __m256 hi = _mm256_set1_ps(127.0f), lo = _mm256_set1_ps(-127.0f);
     const __m256 sign = _mm256_set1_ps(-0.0f);

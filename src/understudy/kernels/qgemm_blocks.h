@@ -276,7 +276,7 @@ typedef struct {
 } panel_block_t;
 
 /* pack_block's inverse: a panel-block of `type` at blk into P */
-QG_UNUSED_IN_AVX2 static void panel_decode(int type, const uint8_t *blk, panel_block_t *P) {
+QG_UNUSED_IN_SIMD static void panel_decode(int type, const uint8_t *blk, panel_block_t *P) {
     const layout_t *L = layout_of(type);
     const int subs = L->values / L->width;
     for (int c = 0; c < PANEL; ++c) {
