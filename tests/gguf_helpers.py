@@ -17,6 +17,13 @@ SCALES = {
     T.Q6_K: ((208,), 3e-5),
     T.Q8_0: ((0,), 5e-4),
     T.Q5_0: ((0,), 4e-3),
+    T.Q5_K: ((0, 2), 1e-4),
+    T.Q3_K: ((108,), 1e-3),
+    T.Q2_K: ((80, 82), 4e-3),
+    T.IQ4_XS: ((0,), 5e-5),
+    T.IQ4_NL: ((0,), 1e-3),
+    T.Q4_1: ((0, 2), 5e-3),
+    T.Q5_1: ((0, 2), 3e-3),
 }
 
 
@@ -48,11 +55,11 @@ def random_tensor(kind: GGMLQuantizationType, rows: int, cols: int, seed: int) -
     return GGUFTensor(kind, random_blocks(kind, rows, cols, seed), rows, cols)
 
 
-# a tiny Qwen2 whose linears cover every kernel type and one float16 part
+# a tiny Qwen2 whose linears cover the first five kernel types and one float32 part
 TINY = {"hidden": 256, "inter": 512, "heads": 4, "kv_heads": 2, "layers": 2, "vocab": 320}
 LAYER_TYPES = {
     "attn_q": T.Q4_K,
-    "attn_k": T.F16,
+    "attn_k": T.F32,
     "attn_v": T.Q6_K,
     "attn_output": T.Q5_0,
     "ffn_gate": T.Q4_K,
@@ -61,6 +68,16 @@ LAYER_TYPES = {
 }
 # the same with every part of a kernel type: each layer runs through kernels/fused_layer
 KERNEL_LAYER_TYPES = {**LAYER_TYPES, "attn_k": T.Q8_0}
+# the other kernel types, a kind for each of the two layers
+MORE_LAYER_TYPES = {
+    "attn_q": (T.Q5_K, T.F16),
+    "attn_k": (T.Q3_K, T.BF16),
+    "attn_v": (T.IQ4_XS, T.Q5_K),
+    "attn_output": (T.Q2_K, T.IQ4_NL),
+    "ffn_gate": (T.IQ4_NL, T.Q3_K),
+    "ffn_up": (T.Q4_1, T.Q2_K),
+    "ffn_down": (T.Q5_1, T.IQ4_XS),
+}
 
 
 def write_tiny_qwen2_gguf(
@@ -68,11 +85,12 @@ def write_tiny_qwen2_gguf(
     seed: int = 0,
     eos: int = 0,
     tied: bool = False,
-    layer_types: dict[str, GGMLQuantizationType] = LAYER_TYPES,
+    layer_types: dict[str, GGMLQuantizationType | tuple[GGMLQuantizationType, ...]] = LAYER_TYPES,
     head_scale: float = 1.0,
 ) -> Path:
     """A tiny random Qwen2 GGUF file (no tokenizer: token-id prompts), weights in mixed
-    block types (`layer_types`); embedding Q8_0, output Q6_K (or tied to the embedding).
+    block types (`layer_types`: a kind for every layer, or a tuple of one per layer);
+    embedding Q8_0, output Q6_K (or tied to the embedding).
     `head_scale` multiplies the output's float16 scales: the same seed with a larger one is
     the same network with sharper logits (a draft that ranks tokens as the target does)."""
     h, inter, heads, kv = TINY["hidden"], TINY["inter"], TINY["heads"], TINY["kv_heads"]
@@ -95,9 +113,13 @@ def write_tiny_qwen2_gguf(
         name: str, kind: GGMLQuantizationType, rows: int, cols: int, scale: float = 1.0
     ) -> None:
         count[0] += 1
-        if kind == T.F16:
+        if kind in (T.F16, T.F32, T.BF16):  # float16 values, stored as `kind`
             data = (rng.standard_normal((rows, cols)) * 0.05).astype(np.float16)
-            writer.add_tensor(name, data)
+            if kind == T.BF16:
+                top = data.astype(np.float32).view(np.uint32) >> 16  # truncated to bfloat16
+                writer.add_tensor(name, top.astype(np.uint16).view(np.uint8), raw_dtype=kind)
+            else:
+                writer.add_tensor(name, data.astype(np.float32) if kind == T.F32 else data)
         else:
             data = random_blocks(kind, rows, cols, count[0], SCALES[kind][1])
             if scale != 1.0:
@@ -121,7 +143,8 @@ def write_tiny_qwen2_gguf(
         "ffn_down": (h, inter),
     }
     for i in range(TINY["layers"]):
-        for part, kind in layer_types.items():
+        for part, kinds in layer_types.items():
+            kind = kinds[i] if isinstance(kinds, tuple) else kinds
             add(f"blk.{i}.{part}.weight", kind, *shapes[part])
         for part in ("attn_q", "attn_k", "attn_v"):
             add_f32(f"blk.{i}.{part}.bias", 0.1 * rng.standard_normal(shapes[part][0]))

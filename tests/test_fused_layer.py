@@ -43,7 +43,7 @@ def test_taken_where_every_linear_is_of_a_kernel_type(
     for model in (engine.target.model, engine.seat.drafter.draft_runner().model):
         assert all(layer.fused is not None for layer in model.layers)
         assert (model.fused_stack is not None) == span_attention.available()
-    mixed = write_tiny_qwen2_gguf(tmp_path / "mixed.gguf", seed=5)  # attn_k in float16
+    mixed = write_tiny_qwen2_gguf(tmp_path / "mixed.gguf", seed=5)  # attn_k in float32
     plain = Engine.from_pretrained(method="none", target=str(mixed), **OPTIONS)
     assert all(layer.fused is None for layer in plain.target.model.layers)
     assert plain.target.model.fused_stack is None

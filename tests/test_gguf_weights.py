@@ -1,8 +1,9 @@
 """Models run from a GGUF file's own blocks (quantization="gguf", models/gguf_weights.py).
 
-A tiny random Qwen2 GGUF is written in the test with gguf's GGUFWriter (blocks of every
-kernel type, one float16 part). The dense path (transformers' GGUF loader, dequantized) is
-the reference: the same weights bitwise, logits within the activation quantization's error.
+Tiny random Qwen2 GGUFs are written in the test with gguf's GGUFWriter (blocks of every
+kernel type; one float32 part, which runs dequantized). The dense path (transformers' GGUF
+loader, dequantized) is the reference: the same weights bitwise, logits within the
+activation quantization's error.
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from gguf_helpers import write_tiny_qwen2_gguf
+from gguf_helpers import MORE_LAYER_TYPES, write_tiny_qwen2_gguf
 from understudy.config import UnderstudyError
 from understudy.kernels import qgemm
 from understudy.kernels.qgemm import QuantLinear
@@ -43,7 +44,33 @@ def pair(tiny_gguf: tuple[str, str]) -> tuple[LoadedModel, LoadedModel]:
 def test_weights_are_the_dense_conversion_bitwise(pair: tuple[LoadedModel, LoadedModel]) -> None:
     """Every parameter of the block model, dequantized, is the dense path's bitwise: names,
     fusing and row order map as transformers' GGUF loader maps them."""
-    blocks, dense = pair
+    assert_dense_conversion_bitwise(*pair)
+
+
+def test_every_kernel_type_runs_from_its_blocks(tmp_path: Path) -> None:
+    """A file of the other kernel types (Q5_K, Q3_K, Q2_K, IQ4_XS, IQ4_NL, Q4_1, Q5_1, F16,
+    BF16): every linear runs from the file's blocks (no part dequantized at load), its
+    weights are the dense conversion's bitwise, and greedy speculative output is plain
+    decoding's."""
+    from understudy import Engine, SamplingParams
+
+    path = str(write_tiny_qwen2_gguf(tmp_path / "more.gguf", seed=2, layer_types=MORE_LAYER_TYPES))
+    blocks = load_model(path, quantization="gguf")
+    assert_dense_conversion_bitwise(blocks, load_model(path, dtype="float32", quantization="none"))
+    linears = [m for m in blocks.model.modules() if isinstance(m, QuantLinear)]
+    kinds = {p.kind for m in linears for p in m.parts}
+    assert kinds >= {k for pair in MORE_LAYER_TYPES.values() for k in pair}
+    assert all(len(m.dense) == 0 for m in linears)
+    options = dict(target=path, quantization="gguf", max_context=256)
+    params = SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True)
+    prompt = [5, 6, 7, 8, 5, 6, 7, 8, 5, 6]
+    expected = Engine.from_pretrained(method="none", **options).generate(prompt, params)
+    spec = Engine.from_pretrained(method="ngram", num_speculative_tokens=4, **options)
+    out = spec.generate(prompt, params)
+    assert out.token_ids == expected.token_ids and out.stats.drafted > 0
+
+
+def assert_dense_conversion_bitwise(blocks: LoadedModel, dense: LoadedModel) -> None:
     assert blocks.from_blocks and not dense.from_blocks
     assert isinstance(blocks.model.lm_head, QuantLinear)
     dense_params = dict(dense.model.named_parameters())
@@ -186,13 +213,15 @@ def test_real_draft_from_blocks() -> None:
 
 
 def test_helpers_write_what_they_say(tmp_path: Path) -> None:
-    """The tiny file holds the block types the tests rely on."""
+    """The tiny files hold the block types the tests rely on."""
     from gguf import GGUFReader
 
-    kinds = {
-        t.tensor_type.name for t in GGUFReader(write_tiny_qwen2_gguf(tmp_path / "t.gguf")).tensors
-    }
-    assert {"Q4_K", "Q6_K", "Q8_0", "Q5_0", "F16", "F32"} <= kinds
+    def kinds(path: Path) -> set[str]:
+        return {t.tensor_type.name for t in GGUFReader(path).tensors}
+
+    assert {"Q4_K", "Q6_K", "Q8_0", "Q5_0", "F32"} <= kinds(write_tiny_qwen2_gguf(tmp_path / "t"))
+    more = write_tiny_qwen2_gguf(tmp_path / "m", layer_types=MORE_LAYER_TYPES)
+    assert {k.name for kinds in MORE_LAYER_TYPES.values() for k in kinds} <= kinds(more)
 
 
 def test_the_kept_layout_maps_the_tensors_gguf_reads(tmp_path: Path) -> None:

@@ -111,11 +111,11 @@ def test_weight_rows_are_the_reference_dequantization(
 
 def test_rows_are_bitwise_independent_of_call_size_and_threads() -> None:
     """Every row of a call of 1..40 rows equals that row computed alone, bitwise, with 1 and
-    2 threads; parts of all five kernel types and one dequantized (F16) part."""
+    2 threads; parts of all five kernel types and one dequantized (F32) part."""
     cols = 512
     parts = [random_blocks(k, 24 + 8 * i, cols, seed=10 + i) for i, (k, _) in enumerate(CASES)]
-    f16 = np.random.default_rng(9).standard_normal((16, cols)).astype(np.float16)
-    parts.append(qgemm.GGUFTensor(T.F16, f16, 16, cols))
+    f32 = np.random.default_rng(9).standard_normal((16, cols)).astype(np.float32)
+    parts.append(qgemm.GGUFTensor(T.F32, f32, 16, cols))
     out = sum(p.rows for p in parts)
     linear = qgemm.QuantLinear(parts, torch.randn(out))
     x = torch.randn(40, cols) * torch.logspace(-3, 2, 40)[:, None]
