@@ -153,7 +153,8 @@ typedef int (*span_fn)(const float *q, long q_row_stride, long q_head_stride, co
                        const float *v, long kv_row_stride, long kv_head_stride,
                        long key_stride, int per_row, const unsigned char *mask,
                        long mask_row_stride, long length, long rows, long heads,
-                       long kv_heads, long dim, float scale, float *out, int threads);
+                       long kv_heads, long dim, float scale, float softcap, float *out,
+                       int threads);
 
 #define NOT_ONE_RUN 4 /* span_attention's answer when a row's visible keys are not one run */
 
@@ -168,7 +169,8 @@ typedef int (*span_fn)(const float *q, long q_row_stride, long q_head_stride, co
 int understudy_layers(const layer_t *const *layers, long n_layers, span_fn attend, float *x,
                       long rows, const float *cos_, const float *sin_, const long *slots,
                       float *const *k_caches, float *const *v_caches, long cache_slots,
-                      const unsigned char *mask, long length, float scale, int threads) {
+                      const unsigned char *mask, long length, float scale, float softcap,
+                      int threads) {
     if (n_layers < 1) return 0;
     const long H = layers[0]->heads, G = layers[0]->kv_heads, D = layers[0]->head_dim;
     float *q = malloc(sizeof(float) * rows * H * D);
@@ -184,7 +186,7 @@ int understudy_layers(const layer_t *const *layers, long n_layers, span_fn atten
                                       cache_slots, q, threads);
         if (code == 0)
             code = attend(q, H * D, D, k_caches[l], v_caches[l], 0, cache_slots * D, D, 0, mask,
-                          length, length, rows, H, G, D, scale, out, threads);
+                          length, length, rows, H, G, D, scale, softcap, out, threads);
         if (code == NOT_ONE_RUN && l > 0) code = -23; /* every layer sees the same mask */
         if (code == 0) code = understudy_layer_output(L, x, out, rows, threads);
     }

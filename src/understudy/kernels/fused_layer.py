@@ -75,7 +75,7 @@ def load() -> ctypes.CDLL | None:
     lib.understudy_layer_output.argtypes = [ptr, ptr, ptr, long, ctypes.c_int]
     lib.understudy_layer_output.restype = ctypes.c_int
     lib.understudy_layers.argtypes = [ptr, long, ptr, ptr, long] + [ptr] * 5 + [long, ptr, long]
-    lib.understudy_layers.argtypes += [ctypes.c_float, ctypes.c_int]
+    lib.understudy_layers.argtypes += [ctypes.c_float, ctypes.c_float, ctypes.c_int]
     lib.understudy_layers.restype = ctypes.c_int
     return lib
 
@@ -209,7 +209,7 @@ class FusedStack:
         code = self.lib.understudy_layers(
             self.pointers, n, self.attend, x.data_ptr(), x.shape[0], cos.data_ptr(),
             sin.data_ptr(), slots.data_ptr(), keys, values, k_caches[0].shape[1],
-            mask.data_ptr(), mask.shape[1], self.scale, torch.get_num_threads(),
+            mask.data_ptr(), mask.shape[1], self.scale, 0.0, torch.get_num_threads(),
         )  # fmt: skip
         if code == NOT_ONE_RUN:
             return False

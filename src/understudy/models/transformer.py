@@ -278,10 +278,12 @@ class Transformer(nn.Module):
         return self.norm(x)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """[R, hidden] final hidden states -> [R, vocab] float32 logits (capped for Gemma 2)."""
+        """[R, hidden] final hidden states -> [R, vocab] float32 logits (capped for Gemma 2:
+        a row at a time, so that no row's tanh is computed unlike another pass's, as torch's
+        vectorised and scalar forms may differ where a tensor's size splits them)."""
         out = self.lm_head(hidden)
         if self.cfg.final_softcap is not None:
-            out = softcap(out, self.cfg.final_softcap)
+            out = torch.stack([softcap(row, self.cfg.final_softcap) for row in out])
         return out.float()
 
     def forward(
