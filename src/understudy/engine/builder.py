@@ -24,7 +24,7 @@ from understudy.drafters.base import Drafter
 from understudy.engine.request import Seat
 from understudy.engine.seats import make_seats
 from understudy.kernels import rowgemm, span_attention
-from understudy.kernels.fused_layer import FusedLayer, FusedStack
+from understudy.models.fused import FusedLayer, FusedStack
 from understudy.models.hf_fallback import FallbackLM, refuse_on_fallback
 from understudy.models.loader import LoadedModel, cpu_has_native_bf16, load_model
 from understudy.models.packed import PACK_FROM_ROWS, can_pack, pack_linears

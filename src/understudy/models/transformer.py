@@ -49,7 +49,7 @@ from understudy.models.rope import RopeScaling, Rotary, exact_positions
 from understudy.models.split_attention import SplitKeys, within_window
 
 if TYPE_CHECKING:
-    from understudy.kernels.fused_layer import FusedLayer, FusedStack
+    from understudy.models.fused import FusedLayer, FusedStack
 
 __all__ = ["Block", "RMSNorm", "Transformer", "TransformerConfig", "region_view", "rotate_half"]
 
@@ -145,8 +145,8 @@ class Block(nn.Module):
             self.post_mlp_norm = make_norm(hidden, eps, offset)
         self.sliding = cfg.sliding(index)  # sees the last sliding_window positions only
         self.rope = 1 if self.sliding and cfg.local_rope_theta is not None else 0  # which rope
-        # the layer's work around attention in two C calls (kernels/fused_layer.py), set by
-        # the engine builder for a model on GGUF blocks; None = the modules above
+        # the layer's work around attention in two C calls (models/fused.py), set by the
+        # engine builder for a model on GGUF blocks; None = the modules above
         self.fused: FusedLayer | None = None
 
 
@@ -168,7 +168,7 @@ class Transformer(nn.Module):
         if cfg.local_rope_theta is not None:
             self.rotaries.append(Rotary(cfg.local_rope_theta, dim, None, positions))
         self.windowed = any(layer.sliding for layer in self.layers)
-        # every layer in one C call a pass where all are fused (kernels/fused_layer.py), set
+        # every layer in one C call a pass where all are fused (models/fused.py), set
         # by the engine builder; hidden_states takes it for the passes it computes
         self.fused_stack: FusedStack | None = None
 
