@@ -205,7 +205,7 @@ def test_the_kept_layout_maps_the_tensors_gguf_reads(tmp_path: Path) -> None:
     import numpy as np
     from gguf import GGUFReader
 
-    from understudy.models.gguf_weights import LAYOUT_FILE, mapped_tensors, read_layout
+    from understudy.models.gguf_file import LAYOUT_FILE, mapped_tensors, read_layout
 
     path = write_tiny_qwen2_gguf(tmp_path / "t.gguf")
     cache = tmp_path / "meta"

@@ -226,7 +226,9 @@ def _describe_gguf(path: Path, out: Path) -> None:
     """config.json, meta.json and the tokenizer of `path`, without loading its weights."""
     from transformers import AutoConfig, GenerationConfig
 
-    from understudy.models.gguf_weights import architecture, read_layout, tensor_names
+    from understudy.models.gguf_config import config_from_gguf
+    from understudy.models.gguf_file import read_layout
+    from understudy.models.gguf_weights import architecture, tensor_names
 
     layout = read_layout(path, out)
     architecture(layout)  # refuses what cannot run from its blocks
@@ -234,7 +236,7 @@ def _describe_gguf(path: Path, out: Path) -> None:
         warnings.simplefilter("ignore")
         hf_config = AutoConfig.from_pretrained(str(path.parent), gguf_file=path.name)
     out.mkdir(parents=True, exist_ok=True)
-    cfg = config_from_hf(hf_config, tensor_names(layout))
+    cfg = config_from_gguf(config_from_hf(hf_config, tensor_names(layout)), layout)
     (out / "config.json").write_text(json.dumps(asdict(cfg)))
     _save_tokenizer_and_eos(path, out, GenerationConfig.from_model_config(hf_config), hf_config)
     (out / "done").write_text("ok")
