@@ -48,19 +48,20 @@ def random_tensor(kind: GGMLQuantizationType, rows: int, cols: int, seed: int) -
     return GGUFTensor(kind, random_blocks(kind, rows, cols, seed), rows, cols)
 
 
-# a tiny Qwen2 whose linears cover every kernel type and one float16 part
+# a tiny Qwen2 whose linears cover every kernel type: each layer runs through
+# kernels/fused_layer
 TINY = {"hidden": 256, "inter": 512, "heads": 4, "kv_heads": 2, "layers": 2, "vocab": 320}
-LAYER_TYPES = {
+KERNEL_LAYER_TYPES = {
     "attn_q": T.Q4_K,
-    "attn_k": T.F16,
+    "attn_k": T.Q8_0,
     "attn_v": T.Q6_K,
     "attn_output": T.Q5_0,
     "ffn_gate": T.Q4_K,
     "ffn_up": T.Q8_0,
     "ffn_down": T.Q6_K,
 }
-# the same with every part of a kernel type: each layer runs through kernels/fused_layer
-KERNEL_LAYER_TYPES = {**LAYER_TYPES, "attn_k": T.Q8_0}
+# the same with one float16 part, which qgemm has no kernel for (it runs dequantized)
+MIXED_LAYER_TYPES = {**KERNEL_LAYER_TYPES, "attn_k": T.F16}
 
 
 def write_tiny_qwen2_gguf(
@@ -68,7 +69,7 @@ def write_tiny_qwen2_gguf(
     seed: int = 0,
     eos: int = 0,
     tied: bool = False,
-    layer_types: dict[str, GGMLQuantizationType] = LAYER_TYPES,
+    layer_types: dict[str, GGMLQuantizationType] = KERNEL_LAYER_TYPES,
     head_scale: float = 1.0,
 ) -> Path:
     """A tiny random Qwen2 GGUF file (no tokenizer: token-id prompts), weights in mixed

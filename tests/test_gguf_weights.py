@@ -1,8 +1,10 @@
-"""Models run from a GGUF file's own blocks (quantization="gguf", models/gguf_weights.py).
+"""Models run from a GGUF file's own blocks (quantization="auto" on a CPU, and "gguf",
+models/gguf_weights.py).
 
 A tiny random Qwen2 GGUF is written in the test with gguf's GGUFWriter (blocks of every
-kernel type, one float16 part). The dense path (transformers' GGUF loader, dequantized) is
-the reference: the same weights bitwise, logits within the activation quantization's error.
+kernel type, one float16 part, which "auto" runs dequantized and "gguf" refuses). The dense
+path (transformers' GGUF loader, dequantized) is the reference: the same weights bitwise,
+logits within the activation quantization's error.
 """
 
 from __future__ import annotations
@@ -12,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from gguf_helpers import write_tiny_qwen2_gguf
+from gguf_helpers import MIXED_LAYER_TYPES, write_tiny_qwen2_gguf
 from understudy.config import UnderstudyError
 from understudy.kernels import qgemm
 from understudy.kernels.qgemm import QuantLinear
@@ -26,8 +28,10 @@ pytestmark = pytest.mark.skipif(not qgemm.available(), reason="qgemm cannot be b
 def tiny_gguf(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, str]:
     """(target, draft): the draft another seed, with its head tied to its embedding."""
     root = tmp_path_factory.mktemp("gguf")
-    target = write_tiny_qwen2_gguf(root / "target.gguf", seed=0)
-    draft = write_tiny_qwen2_gguf(root / "draft.gguf", seed=1, tied=True)
+    target = write_tiny_qwen2_gguf(root / "target.gguf", seed=0, layer_types=MIXED_LAYER_TYPES)
+    draft = write_tiny_qwen2_gguf(
+        root / "draft.gguf", seed=1, tied=True, layer_types=MIXED_LAYER_TYPES
+    )
     return str(target), str(draft)
 
 
@@ -35,7 +39,7 @@ def tiny_gguf(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, str]:
 def pair(tiny_gguf: tuple[str, str]) -> tuple[LoadedModel, LoadedModel]:
     """The tiny target from its blocks, and dense (float32, via transformers)."""
     return (
-        load_model(tiny_gguf[0], quantization="gguf"),
+        load_model(tiny_gguf[0], quantization="auto"),
         load_model(tiny_gguf[0], dtype="float32", quantization="none"),
     )
 
@@ -90,7 +94,7 @@ def test_greedy_speculative_equals_plain(tiny_gguf: tuple[str, str], method: str
     from understudy import Engine, SamplingParams
 
     target, draft = tiny_gguf
-    options = dict(target=target, quantization="gguf", max_context=256)
+    options = dict(target=target, quantization="auto", max_context=256)
     plain = Engine.from_pretrained(method="none", **options)
     spec = Engine.from_pretrained(
         method=method, draft=draft if method == "draft" else None, num_speculative_tokens=4,
@@ -118,11 +122,14 @@ def test_quantization_is_chosen_and_refused_by_name(
         load_model(tiny_pair[0], quantization="gguf")
     with pytest.raises(UnderstudyError, match="float32, not bfloat16"):
         load_model(target, dtype="bfloat16", quantization="gguf")
+    with pytest.raises(UnderstudyError, match=r"blk\.0\.attn_k\.weight: F16") as err:
+        load_model(target, quantization="gguf")  # a float16 part: no kernel, dequantized
+    assert "cannot be used" in str(err.value) and "\n" not in str(err.value)
     with pytest.raises(UnderstudyError, match="unknown quantization 'q3'"):
         load_model(target, quantization="q3")
     with pytest.raises(UnderstudyError, match="draft runs from its GGUF blocks"):
         Engine.from_pretrained(
-            target=target, draft=draft, quantization="gguf", draft_quantization="int4",
+            target=target, draft=draft, quantization="auto", draft_quantization="int4",
             num_speculative_tokens=2,
         )  # fmt: skip
     with pytest.raises(UnderstudyError, match="q4_0' requantizes a draft model's GGUF blocks"):
@@ -142,7 +149,7 @@ def test_a_draft_requantized_to_q4_0_keeps_plain_decodings_output(
     from understudy import Engine, SamplingParams
 
     target, draft = tiny_gguf
-    options = dict(target=target, draft=draft, quantization="gguf", max_context=256)
+    options = dict(target=target, draft=draft, quantization="auto", max_context=256)
     kept = Engine.from_pretrained(method="draft", draft_quantization="none", **options)
     requantized = Engine.from_pretrained(method="draft", draft_quantization="q4_0", **options)
 
@@ -152,7 +159,7 @@ def test_a_draft_requantized_to_q4_0_keeps_plain_decodings_output(
 
     assert T.Q5_0 in kinds(kept) and T.Q4_0 not in kinds(kept)
     assert kinds(requantized) == (kinds(kept) - {T.Q5_0}) | {T.Q4_0}
-    plain = Engine.from_pretrained(method="none", target=target, quantization="gguf")
+    plain = Engine.from_pretrained(method="none", target=target, quantization="auto")
     params = SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True)
     prompt = [5, 6, 7, 8, 5, 6, 7, 8, 5, 6]
     out = requantized.generate(prompt, params)
@@ -190,7 +197,10 @@ def test_helpers_write_what_they_say(tmp_path: Path) -> None:
     from gguf import GGUFReader
 
     kinds = {
-        t.tensor_type.name for t in GGUFReader(write_tiny_qwen2_gguf(tmp_path / "t.gguf")).tensors
+        t.tensor_type.name
+        for t in GGUFReader(
+            write_tiny_qwen2_gguf(tmp_path / "t.gguf", layer_types=MIXED_LAYER_TYPES)
+        ).tensors
     }
     assert {"Q4_K", "Q6_K", "Q8_0", "Q5_0", "F16", "F32"} <= kinds
 

@@ -6,7 +6,7 @@ caches, the file's pages under packed tensors released), the token embedding a l
 dequantizes only the looked-up rows, and the F32 norms and biases are used as they are.
 Fused matmuls (q/k/v, gate/up) concatenate their GGUF tensors as parts of one QuantLinear,
 whatever each part's block type. A type qgemm has no kernel for runs dequantized through
-rowgemm.
+rowgemm (`dequantized` names them; quantization="gguf" refuses such a file).
 
 Names, per family as llama.cpp's converter writes them (models/convert.py maps the same
 models' Hugging Face names):
@@ -36,7 +36,7 @@ import torch
 from gguf import GGMLQuantizationType
 from torch import nn
 
-from understudy.kernels.qgemm import GGUFTensor, QuantEmbedding, QuantLinear
+from understudy.kernels.qgemm import KERNEL_TYPES, GGUFTensor, QuantEmbedding, QuantLinear
 from understudy.models.convert import UnsupportedArchitecture
 from understudy.models.gguf_file import GGUFLayout, MappedTensor, mapped_tensors, read_layout
 from understudy.models.moe import MLP, SparseMoE
@@ -73,6 +73,18 @@ def tensor_names(layout: GGUFLayout) -> dict[str, torch.Tensor]:
     if "output.weight" in names:
         present["lm_head.weight"] = torch.empty(0)
     return present
+
+
+def dequantized(layout: GGUFLayout) -> list[str]:
+    """The matrices of the file that would run dequantized: of a type qgemm has no kernel for
+    and not plain float32 (which rowgemm runs as it is), e.g. F16, Q4_1, IQ types."""
+    return [
+        t.name
+        for t in layout.tensors
+        if len(t.shape) >= 2
+        and GGMLQuantizationType(t.tensor_type) not in KERNEL_TYPES
+        and t.tensor_type != GGMLQuantizationType.F32
+    ]
 
 
 def _rope_rows(rows: int, heads: int) -> np.ndarray:

