@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 import numpy as np
@@ -139,6 +140,22 @@ OFFSET_NORMS = ("gemma2", "gemma3", "nemotron")  # stored as 1 + w; transformers
 MAPPING_KEY = {"qwen3moe": "qwen3_moe"}  # transformers' name of a GGUF architecture
 
 
+def _phi3_hyperparameters(config, rope: dict) -> dict[str, int | float]:
+    """Phi's rotated share of a head, its window (0: none) and LongRoPE's pretraining
+    context and cos/sin factor (its factors are tensors: _gguf_tensors)."""
+    head_dim = config.hidden_size // config.num_attention_heads
+    out: dict[str, int | float] = {"attention.sliding_window": config.sliding_window or 0}
+    partial = rope.get("partial_rotary_factor", 1.0)
+    if partial < 1.0:
+        out["rope.dimension_count"] = int(head_dim * partial)
+    if rope.get("rope_type") == "longrope":
+        original = rope["original_max_position_embeddings"]
+        scale = config.max_position_embeddings / original
+        out["rope.scaling.original_context_length"] = original
+        out["rope.scaling.attn_factor"] = math.sqrt(1 + math.log(scale) / math.log(original))
+    return out
+
+
 def _hyperparameters(writer: GGUFWriter, config, arch: str) -> None:
     """What transformers' GGUF reader maps (its GGUF_CONFIG_MAPPING), then what llama.cpp's
     converter writes besides and that reader leaves out: a mixture's expert count, top-k and
@@ -163,10 +180,8 @@ def _hyperparameters(writer: GGUFWriter, config, arch: str) -> None:
         written.setdefault("expert_used_count", config.num_experts_per_tok)
     if arch == "qwen3moe":
         written["expert_feed_forward_length"] = config.moe_intermediate_size
-    partial = rope.get("partial_rotary_factor", 1.0)
-    if arch == "phi3" and partial < 1.0:
-        head_dim = config.hidden_size // config.num_attention_heads
-        written["rope.dimension_count"] = int(head_dim * partial)
+    if arch == "phi3":
+        written.update(_phi3_hyperparameters(config, rope))
     if arch == "gemma2":
         written["attn_logit_softcapping"] = float(config.attn_logit_softcapping)
         written["final_logit_softcapping"] = float(config.final_logit_softcapping)
@@ -193,6 +208,11 @@ def _gguf_tensors(model, arch: str) -> list[tuple[str, np.ndarray]]:
     names = get_tensor_name_map(code, config.num_hidden_layers)
     heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
     out = []
+    rope = config.rope_parameters or {}
+    if rope.get("rope_type") == "longrope":  # llama.cpp's converter writes the factors so
+        for kind in ("long", "short"):
+            factors = np.array(rope[f"{kind}_factor"], dtype=np.float32)
+            out.append((f"rope_factors_{kind}.weight", factors))
     for hf_name, tensor in model.state_dict().items():
         stem, suffix = hf_name.rsplit(".", 1)
         if stem == "lm_head" and config.tie_word_embeddings:

@@ -9,17 +9,21 @@ and llama.cpp computes with, so the model is the one the file describes:
   (llama.cpp always renormalises there) come back as transformers' defaults. The experts'
   count, width and the sparse layers are taken from the tensors, top-k from the metadata;
 - a head size (`attention.key_length`) where the reader does not map it (Qwen3);
-- Phi-3's rotated share of each head (`rope.dimension_count`: Phi-4-mini rotates 3/4);
+- Phi-3's rotated share of each head (`rope.dimension_count`: Phi-4-mini rotates 3/4), its
+  LongRoPE (the short and long factors are tensors of the file, rope_factors_short/long,
+  with the pretraining context and the cos/sin factor in the metadata) and its sliding
+  window (Phi-3-mini's 2047; Phi-4's files write 0, none);
 - Gemma 2's soft caps, and Gemma 3's linear rope scaling of its global layers.
 """
 
 from __future__ import annotations
 
 from dataclasses import replace
+from pathlib import Path
 from typing import Any
 
 from understudy.models.convert import UnsupportedArchitecture
-from understudy.models.gguf_file import GGUFLayout
+from understudy.models.gguf_file import GGUFLayout, mapped_tensors
 from understudy.models.rope import RopeScaling
 from understudy.models.transformer import TransformerConfig
 
@@ -49,18 +53,38 @@ def _mixture(cfg: TransformerConfig, layout: GGUFLayout, arch: str) -> dict[str,
     )
 
 
-def config_from_gguf(cfg: TransformerConfig, layout: GGUFLayout) -> TransformerConfig:
-    """`cfg` (the dense path's, from transformers' config) with what the file states besides
-    (module docstring)."""
+def _phi3(cfg: TransformerConfig, layout: GGUFLayout, path: Path) -> dict[str, Any]:
+    meta, changes = layout.metadata, {}
+    rotated = meta.get("phi3.rope.dimension_count")
+    if isinstance(rotated, int) and rotated < cfg.head_dim:
+        changes["rotary_dim"] = rotated
+    window = meta.get("phi3.attention.sliding_window")
+    if isinstance(window, int) and 0 < window < cfg.max_position_embeddings:
+        changes.update(sliding_window=window, sliding_layers=(True,) * cfg.num_layers)
+    if "rope_factors_short.weight" in layout.names():
+        tensors = mapped_tensors(path, layout)
+        short, long = (tuple(float(v) for v in tensors[f"rope_factors_{n}.weight"].data)
+                       for n in ("short", "long"))  # fmt: skip
+        original = int(meta["phi3.rope.scaling.original_context_length"])
+        changes["rope_scaling"] = RopeScaling(
+            "longrope", factor=cfg.max_position_embeddings / original,
+            original_max_positions=original, short_factor=short, long_factor=long,
+            attention_factor=meta.get("phi3.rope.scaling.attn_factor"),
+        )  # fmt: skip
+    return changes
+
+
+def config_from_gguf(cfg: TransformerConfig, layout: GGUFLayout, path: Path) -> TransformerConfig:
+    """`cfg` (the dense path's, from transformers' config) with what the file at `path`
+    states besides (module docstring)."""
     arch = layout.architecture or ""
     meta = layout.metadata
     changes = _mixture(cfg, layout, arch)
+    if arch == "phi3":
+        changes.update(_phi3(cfg, layout, path))
     head_dim = meta.get(f"{arch}.attention.key_length")
     if isinstance(head_dim, int) and head_dim != cfg.head_dim:
         changes["head_dim"] = head_dim
-    rotated = meta.get(f"{arch}.rope.dimension_count")
-    if arch == "phi3" and isinstance(rotated, int) and rotated < cfg.head_dim:
-        changes["rotary_dim"] = rotated
     if arch == "gemma2":
         for key, name in (("attn", "attn_softcap"), ("final", "final_softcap")):
             cap = meta.get(f"gemma2.{key}_logit_softcapping")

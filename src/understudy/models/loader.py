@@ -265,7 +265,7 @@ def _describe_gguf(path: Path, out: Path) -> None:
         warnings.simplefilter("ignore")
         hf_config = AutoConfig.from_pretrained(str(path.parent), gguf_file=path.name)
     out.mkdir(parents=True, exist_ok=True)
-    cfg = config_from_gguf(config_from_hf(hf_config, tensor_names(layout)), layout)
+    cfg = config_from_gguf(config_from_hf(hf_config, tensor_names(layout)), layout, path)
     (out / "config.json").write_text(json.dumps(asdict(cfg)))
     _save_tokenizer_and_eos(path, out, GenerationConfig.from_model_config(hf_config), hf_config)
     (out / "done").write_text("ok")
