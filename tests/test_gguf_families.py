@@ -31,7 +31,7 @@ from test_architectures import PROMPT, VOCAB, make_hf
 from understudy import Engine, SamplingParams
 from understudy.kernels import qgemm
 from understudy.kernels.qgemm import QuantLinear
-from understudy.models.convert import config_from_hf
+from understudy.models.convert import UnsupportedArchitecture, config_from_hf
 from understudy.models.loader import load_model
 from understudy.models.rope import Rotary
 from understudy.models.runner import Runner
@@ -170,6 +170,26 @@ def test_the_file_describes_the_model_it_was_written_from(family: Family) -> Non
     for ours, theirs in zip(got.rotaries, ropes, strict=True):
         torch.testing.assert_close(ours.inv_freq, theirs.inv_freq)
         assert ours.attention_factor == pytest.approx(theirs.attention_factor, rel=1e-6)
+
+
+# families whose tiny files transformers' GGUF reader cannot load dense: it takes Qwen3's head
+# size as 128 and Qwen3-MoE's expert width as 768 (its defaults), whatever the file says
+NOT_DENSE = ("qwen3", "qwen3-moe")
+
+
+def test_the_dense_path_reads_the_same_config(family: Family) -> None:
+    """quantization="none" (transformers reads and dequantizes the file) derives the config
+    the blocks path does; a Mixtral file, which transformers reads as a dense Llama (random
+    MLPs), is refused in one line."""
+    if family.name in NOT_DENSE:
+        pytest.skip("transformers' GGUF reader cannot load this tiny file")
+    if family.name == "mixtral":
+        with pytest.raises(UnsupportedArchitecture, match="stored as 'llama'") as err:
+            load_model(family.target, dtype="float32", quantization="none")
+        assert "\n" not in str(err.value)
+        return
+    dense = load_model(family.target, dtype="float32", quantization="none").model.cfg
+    assert dense == load_model(family.target, quantization="gguf").model.cfg
 
 
 def test_every_linear_runs_from_its_blocks(family: Family) -> None:

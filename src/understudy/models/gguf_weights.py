@@ -109,8 +109,8 @@ class BlockSource:
         cols, rows = (int(d) for d in t.shape[:2])  # GGUF lists dimensions innermost first
         data = t.data if expert is None else t.data[expert]
         kind = GGMLQuantizationType(t.tensor_type)
-        if kind == GGMLQuantizationType.F32:  # a router: small, and rowgemm packs a copy
-            data = np.array(data)  # writable, as torch wants what it wraps
+        if kind == GGMLQuantizationType.F32:  # a router (or a float32 file): rowgemm packs
+            data = np.array(data)  # it anyway; a writable copy, as torch wants what it wraps
         tensor = GGUFTensor(kind, data, rows, cols)
         if heads is not None and self.permuted:
             tensor = tensor.take_rows(_rope_rows(tensor.rows, heads))

@@ -201,7 +201,7 @@ def _load_gguf(
     dtype_name = str(dtype).removeprefix("torch.")
     cached = cache_dir() / "converted" / f"{ident[:24]}-{dtype_name}"
     if not (cached / "done").exists():
-        _convert_gguf(path, cached, dtype)
+        _convert_gguf(path, cached, dtype, _gguf_meta(ident))
     cfg = TransformerConfig(**json.loads((cached / "config.json").read_text()))
     weights = load_file(str(cached / "model.safetensors"))
     if cfg.tie_word_embeddings:
@@ -295,10 +295,24 @@ def _save_tokenizer_and_eos(path: Path, out: Path, generation_config: Any, confi
     (out / "meta.json").write_text(json.dumps({"eos_token_ids": list(eos), "source": str(path)}))
 
 
-def _convert_gguf(path: Path, out: Path, dtype: torch.dtype) -> None:
+def _convert_gguf(path: Path, out: Path, dtype: torch.dtype, meta: Path) -> None:
+    """transformers reads and dequantizes the file; its config, with what the file states
+    besides (models/gguf_config.py), and its weights re-laid for ours go to `out`. `meta`:
+    where the file's layout is kept (read_layout's cache, the blocks path's too)."""
     from rich.console import Console
     from transformers import AutoModelForCausalLM, GgufConfig
 
+    from understudy.models.gguf_config import config_from_gguf
+    from understudy.models.gguf_file import read_layout
+
+    layout = read_layout(path, meta)
+    arch = layout.architecture
+    if arch == "llama" and layout.metadata.get("llama.expert_count"):
+        raise UnsupportedArchitecture(
+            f"{path.name}: a mixture of experts stored as 'llama' (Mixtral), which "
+            "transformers' GGUF reader reads as a dense model: load it from its blocks "
+            "(quantization='auto' or 'gguf')"
+        )
     console = Console(stderr=True)
     out.mkdir(parents=True, exist_ok=True)
     with console.status(f"converting {path.name} to dense {dtype} weights (once; cached)..."):
@@ -320,6 +334,7 @@ def _convert_gguf(path: Path, out: Path, dtype: torch.dtype) -> None:
                 f"{path.name}: {refusal}; the transformers fallback does not read GGUF files: "
                 "load the model's Hugging Face folder or id instead"
             ) from None
+        cfg = config_from_gguf(cfg, layout, path)
         weights = convert_state_dict(sd, cfg)
         if cfg.tie_word_embeddings:
             weights.pop("lm_head.weight")
