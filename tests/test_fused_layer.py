@@ -11,9 +11,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from gguf_helpers import KERNEL_LAYER_TYPES, write_tiny_qwen2_gguf
+from gguf_helpers import KERNEL_LAYER_TYPES, MIXED_LAYER_TYPES, write_tiny_qwen2_gguf
 from understudy import Engine, SamplingParams
 from understudy.kernels import fused_layer, qgemm, span_attention
+from understudy.models.refusals import log_refusal
 from understudy.models.runner import Runner
 
 pytestmark = [
@@ -36,17 +37,25 @@ def kernel_pair(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, str]:
 
 
 def test_taken_where_every_linear_is_of_a_kernel_type(
-    kernel_pair: tuple[str, str], tmp_path: Path
+    kernel_pair: tuple[str, str], tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
+    """Every layer fused where all its parts have kernels; a float32 part keeps its layers
+    on the module path (quantization="auto"), which says why once."""
     engine = Engine.from_pretrained(method="draft", target=kernel_pair[0], draft=kernel_pair[1],
                                     **OPTIONS)  # fmt: skip
     for model in (engine.target.model, engine.seat.drafter.draft_runner().model):
         assert all(layer.fused is not None for layer in model.layers)
         assert (model.fused_stack is not None) == span_attention.available()
-    mixed = write_tiny_qwen2_gguf(tmp_path / "mixed.gguf", seed=5)  # attn_k in float32
-    plain = Engine.from_pretrained(method="none", target=str(mixed), **OPTIONS)
+    mixed = write_tiny_qwen2_gguf(tmp_path / "mixed.gguf", seed=5, layer_types=MIXED_LAYER_TYPES)
+    log_refusal.cache_clear()  # said once a process: forget what earlier tests said
+    with caplog.at_level("WARNING", logger="understudy.kernels"):
+        plain = Engine.from_pretrained(
+            method="none", target=str(mixed), quantization="auto", max_context=256
+        )
     assert all(layer.fused is None for layer in plain.target.model.layers)
     assert plain.target.model.fused_stack is None
+    said = [r.getMessage() for r in caplog.records if "fused layer" in r.getMessage()]
+    assert len(said) == 1 and "F32 part" in said[0], said  # once, for both layers
 
 
 @pytest.mark.skipif(not span_attention.available(), reason="span_attention is off or unbuilt")

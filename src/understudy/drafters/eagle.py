@@ -36,12 +36,12 @@ from pathlib import Path
 
 import torch
 
+from understudy.cache import cache_dir
 from understudy.config import SamplingParams, TreeMode, UnderstudyError
 from understudy.drafters.base import EMPTY, Proposal, Traits, register
 from understudy.drafters.calibration import DoubtRules, RoundRecord, chain_and_tree_options
 from understudy.drafters.tree_search import BestFirstTree, tree_log_scores
 from understudy.models.eagle_head import CONFIG_FILE, EagleHead, load_head, read_head_config
-from understudy.models.fetch import cache_dir
 from understudy.models.loader import LoadedModel
 from understudy.models.quant import quantize_model
 from understudy.verify.sampling import sample, warp_probs

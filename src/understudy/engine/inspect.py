@@ -39,7 +39,8 @@ from understudy.engine.pass_shape import target_pass_shape
 from understudy.engine.seats import kv_bytes
 from understudy.kernels import qgemm
 from understudy.models.fetch import gguf_path
-from understudy.models.gguf_weights import GGUFLayout, TensorEntry, architecture
+from understudy.models.gguf_file import GGUFLayout, TensorEntry
+from understudy.models.gguf_weights import architecture
 from understudy.models.hf_fallback import FallbackLM, refuse_on_fallback, unproved
 from understudy.models.loader import default_device, from_blocks, locate
 from understudy.models.registry import resolve_packaged

@@ -13,7 +13,7 @@ import os
 import torch
 
 from understudy.kernels import rowgemm, span_attention
-from understudy.kernels.fused_layer import FusedLayer, FusedStack
+from understudy.models.fused import FusedLayer, FusedStack
 from understudy.models.hf_fallback import FallbackLM
 from understudy.models.loader import cpu_has_native_bf16
 from understudy.models.packed import PACK_FROM_ROWS, can_pack, pack_linears

@@ -32,9 +32,9 @@ import torch
 from gguf import GGMLQuantizationType, dequantize
 from torch import nn
 
+from understudy.cache import cache_dir
 from understudy.kernels import rowgemm
 from understudy.kernels.build import NATIVE_FLAGS, compile_shared
-from understudy.models.fetch import cache_dir
 
 SOURCE = Path(__file__).with_name("qgemm.c")
 KERNEL_TYPES = frozenset(

@@ -36,7 +36,7 @@ mixture, soft caps); the forward pass has no branch on the architecture's name.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
 from torch import nn
@@ -48,8 +48,33 @@ from understudy.models.norms import RMSNorm, make_norm
 from understudy.models.rope import RopeScaling, Rotary, exact_positions
 from understudy.models.split_attention import SplitKeys, within_window
 
-if TYPE_CHECKING:
-    from understudy.kernels.fused_layer import FusedLayer, FusedStack
+
+class FusedLayerHook(Protocol):
+    """A layer's work around its attention in C calls (models/fused.py installs one): the
+    same values, row by row, as the Block's modules give."""
+
+    def attention_input(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, slots: torch.Tensor,
+        k_cache: torch.Tensor, v_cache: torch.Tensor,
+    ) -> torch.Tensor:  # fmt: skip
+        """The rows' queries [H, R, D]; the rows' keys and values written at `slots`."""
+        ...
+
+    def output(self, x: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
+        """x [R, hidden] after the attention output attn [R, H, D] and the MLP."""
+        ...
+
+
+class FusedStackHook(Protocol):
+    """Every layer of a model in one call a pass (models/fused.py installs one)."""
+
+    def run(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, slots: torch.Tensor,
+        k_caches: list[torch.Tensor], v_caches: list[torch.Tensor], mask: torch.Tensor,
+    ) -> bool:  # fmt: skip
+        """x after every layer, in place; False (x unchanged) where it cannot take the pass."""
+        ...
+
 
 __all__ = ["Block", "RMSNorm", "Transformer", "TransformerConfig", "region_view", "rotate_half"]
 
@@ -145,9 +170,9 @@ class Block(nn.Module):
             self.post_mlp_norm = make_norm(hidden, eps, offset)
         self.sliding = cfg.sliding(index)  # sees the last sliding_window positions only
         self.rope = 1 if self.sliding and cfg.local_rope_theta is not None else 0  # which rope
-        # the layer's work around attention in two C calls (kernels/fused_layer.py), set by
-        # the engine builder for a model on GGUF blocks; None = the modules above
-        self.fused: FusedLayer | None = None
+        # the layer's work around attention in two C calls (models/fused.py), set by the
+        # engine builder for a model on GGUF blocks; None = the modules above
+        self.fused: FusedLayerHook | None = None
 
 
 class Transformer(nn.Module):
@@ -168,9 +193,9 @@ class Transformer(nn.Module):
         if cfg.local_rope_theta is not None:
             self.rotaries.append(Rotary(cfg.local_rope_theta, dim, None, positions))
         self.windowed = any(layer.sliding for layer in self.layers)
-        # every layer in one C call a pass where all are fused (kernels/fused_layer.py), set
+        # every layer in one C call a pass where all are fused (models/fused.py), set
         # by the engine builder; hidden_states takes it for the passes it computes
-        self.fused_stack: FusedStack | None = None
+        self.fused_stack: FusedStackHook | None = None
 
     # (the final norm's weight, not the embedding's: an embedding from GGUF blocks,
     # kernels/qgemm.py, has no dense weight to ask)
@@ -278,10 +303,12 @@ class Transformer(nn.Module):
         return self.norm(x)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """[R, hidden] final hidden states -> [R, vocab] float32 logits (capped for Gemma 2)."""
+        """[R, hidden] final hidden states -> [R, vocab] float32 logits (capped for Gemma 2:
+        a row at a time, so that no row's tanh is computed unlike another pass's, as torch's
+        vectorised and scalar forms may differ where a tensor's size splits them)."""
         out = self.lm_head(hidden)
         if self.cfg.final_softcap is not None:
-            out = softcap(out, self.cfg.final_softcap)
+            out = torch.stack([softcap(row, self.cfg.final_softcap) for row in out])
         return out.float()
 
     def forward(

@@ -26,15 +26,11 @@ import torch
 
 from understudy.config import UnderstudyError
 from understudy.models.convert import UnsupportedArchitecture, config_from_hf
-from understudy.models.gguf_weights import GGUFLayout, read_layout
+from understudy.models.gguf_file import GGUFLayout, read_layout
+from understudy.models.gguf_load import describe_gguf
 from understudy.models.hf_fallback import FallbackConfig, FallbackLM, prepare_fallback
-from understudy.models.loader import (
-    LoadedModel,
-    ModelSource,
-    describe_gguf,
-    hf_tokens,
-    resolve_dtype,
-)
+from understudy.models.loaded import LoadedModel, ModelSource
+from understudy.models.loader import hf_tokens, resolve_dtype
 from understudy.models.transformer import Transformer, TransformerConfig
 
 PATHS = ("blocks", "dense", "transformers")  # our Transformer on GGUF blocks, dense; fallback
