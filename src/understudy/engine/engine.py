@@ -199,6 +199,8 @@ class Engine:
                 if isinstance(item, GenerationOutput):
                     outputs[i] = item
             return outputs
+        if isinstance(params, list):
+            raise UnderstudyError("a list of SamplingParams goes with a list of prompts, one each")
         stream = self.stream(prompt, params or SamplingParams())
         for event in stream:
             if on_token is not None:
