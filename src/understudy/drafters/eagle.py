@@ -109,7 +109,9 @@ class EagleProposer(DoubtRules):
             "draft_path_confidence": "auto",
         }
         opts, tree, branching, confidence, path = chain_and_tree_options("eagle", options, defaults)
-        folder = find_head(target, opts["head"])  # type: ignore[arg-type]
+        if opts["head"] is not None and not isinstance(opts["head"], str):
+            raise UnderstudyError(f"head must be a folder (a path), got {opts['head']!r}")
+        folder = find_head(target, opts["head"])
         head = load_head(folder, target.model)
         return cls(head, max_context, tree, branching, confidence, path)
 
