@@ -12,8 +12,6 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 MAX_SPECULATIVE_TOKENS = 64
-TreeMode = Literal["off", "on", "auto"]  # whether a drafter's rounds may be token trees
-TREE_MODES: tuple[TreeMode, ...] = ("off", "on", "auto")
 MAX_LOGPROBS = 20  # alternatives per token, as vLLM's default limit
 # The smallest positive temperature: logits are divided by it in float32, and below the
 # smallest normal float32 number the divisor would round to 0 (a NaN, not a distribution).
@@ -28,6 +26,7 @@ REPETITION_PENALTY_RANGE = (1e-6, 1e6)
 # the API, the builder) and tests hold each equal to the tuple its owner validates against.
 Method = Literal["none", "draft", "ngram", "suffix", "hybrid", "eagle"]  # engine/builder.py
 TreeMode = Literal["off", "on", "auto"]  # whether a drafter's rounds may draft token trees
+TREE_MODES: tuple[TreeMode, ...] = ("off", "on", "auto")
 DType = Literal["auto", "float32", "bfloat16", "float16"]  # auto: bf16 where native, else fp32
 Quantization = Literal["auto", "none", "gguf"]  # how a GGUF model runs (models/loader.py)
 
@@ -62,7 +61,7 @@ class StructuredSpec:
     array), `regex`, `grammar` (EBNF in the GBNF dialect) or `choice` (one of the strings).
     understudy.constraints.grammar compiles it; generation ends with EOS when it is complete."""
 
-    json_schema: dict | str | None = None
+    json_schema: dict[str, object] | str | None = None
     json_object: bool = False
     regex: str | None = None
     grammar: str | None = None
