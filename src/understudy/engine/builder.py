@@ -158,6 +158,7 @@ def within_exact_rope(target: LoadedModel, spec: EngineSpec) -> EngineSpec:
     limit = model.exact_context if isinstance(model, Transformer) else None
     if limit is None or spec.max_context <= limit:
         return spec
+    assert isinstance(model, Transformer)  # only our Transformer has a limit
     scaling = model.cfg.rope_scaling
     assert scaling is not None  # only a scaled rope has a limit
     warnings.warn(

@@ -19,6 +19,7 @@ batch of any size: solo decoding is a batch of one (engine/scheduler.py, engine/
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
+from functools import partial
 from typing import TYPE_CHECKING, overload
 
 import torch
@@ -186,7 +187,12 @@ class Engine:
         on_token: None = None,
     ) -> list[GenerationOutput]: ...
 
-    def generate(self, prompt, params=None, on_token=None):
+    def generate(
+        self,
+        prompt: Prompt | list[Prompt],
+        params: SamplingParams | list[SamplingParams] | None = None,
+        on_token: Callable[[TokenEvent], None] | None = None,
+    ) -> GenerationOutput | list[GenerationOutput]:
         """Generate a completion; `on_token` (optional) sees every token as it is emitted.
         A list of prompts (with one SamplingParams for all, or one each) runs as a batch on
         the engine's seats (max_num_seqs) and returns the outputs in order, each exactly
@@ -194,11 +200,13 @@ class Engine:
         if is_batch(prompt):
             if on_token is not None:
                 raise UnderstudyError("on_token streams one prompt; a batch returns outputs")
-            outputs = [None] * len(prompt)
+            outputs: list[GenerationOutput | None] = [None] * len(prompt)
             for i, item in self.stream_batch(prompt, params):
                 if isinstance(item, GenerationOutput):
                     outputs[i] = item
-            return outputs
+            done = [output for output in outputs if output is not None]
+            assert len(done) == len(outputs)  # stream_batch ends every sequence with its output
+            return done
         if isinstance(params, list):
             raise UnderstudyError("a list of SamplingParams goes with a list of prompts, one each")
         stream = self.stream(prompt, params or SamplingParams())
@@ -246,8 +254,8 @@ class Engine:
             scheduler.submit(
                 ids,
                 p,
-                on_token=lambda event, i=i: events.append((i, event)),
-                on_done=lambda output, i=i: events.append((i, output)),
+                on_token=partial(_keep, events, i),
+                on_done=partial(_keep, events, i),
                 on_round=on_round,
             )  # fmt: skip
             for i, (ids, p) in enumerate(zip(prompts, params, strict=True))
@@ -265,6 +273,14 @@ class Engine:
                 sequence.cancel()
             while not all(s.finished.is_set() for s in sequences):
                 scheduler.step()
+
+
+def _keep(
+    events: list[tuple[int, TokenEvent | GenerationOutput]],
+    i: int,
+    item: TokenEvent | GenerationOutput,
+) -> None:
+    events.append((i, item))
 
 
 def params_each(
