@@ -185,11 +185,11 @@ class SamplingParams:
         return self.temperature == 0.0
 
 
-def parse_num_speculative_tokens(value: int | str) -> int | str:
+def parse_num_speculative_tokens(value: int | str) -> int | Literal["auto"]:
     """Validate K: an int in 1..64, or "auto"."""
     if isinstance(value, str):
         if value == "auto":
-            return value
+            return "auto"
         try:
             value = int(value)
         except ValueError:

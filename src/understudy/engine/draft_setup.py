@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import torch
 
-from understudy.config import UnderstudyError
+from understudy.config import DType, Quantization, UnderstudyError
 from understudy.engine.pass_shape import ROW_INVARIANT_ROWS, use_fused_layers, use_span_attention
 from understudy.models.hf_fallback import FallbackLM
 from understudy.models.loader import LoadedModel, load_model
@@ -96,9 +96,9 @@ def load_draft(
     spec: str,
     target: LoadedModel,
     scheme_request: str | None,
-    dtype: str | torch.dtype,
+    dtype: DType | torch.dtype,
     device: str | None,
-    quantization: str,
+    quantization: Quantization,
 ) -> LoadedModel:
     """Load a draft model, refuse it unless its tokens mean the target's, quantize it."""
     draft = load_model(spec, dtype, device, quantization)

@@ -20,11 +20,18 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 from functools import partial
-from typing import TYPE_CHECKING, overload
+from typing import TYPE_CHECKING, Literal, overload
 
 import torch
 
-from understudy.config import SamplingParams, UnderstudyError, parse_num_speculative_tokens
+from understudy.config import (
+    DType,
+    Method,
+    Quantization,
+    SamplingParams,
+    UnderstudyError,
+    parse_num_speculative_tokens,
+)
 from understudy.drafters.base import Drafter
 from understudy.engine.emitter import TokenEvent
 from understudy.engine.outputs import GenerationOutput, RoundEvent, TokenStream
@@ -68,7 +75,7 @@ class Engine:
         self.scheduler = Scheduler(setup, seats)
 
     @property
-    def k(self) -> int | str:
+    def k(self) -> int | Literal["auto"]:
         """num_speculative_tokens: a fixed K or "auto". Settable between requests: the
         requests admitted after the change plan with it (stats.k says which they had)."""
         return self.scheduler.setup.rules.k
@@ -116,15 +123,15 @@ class Engine:
         cls,
         target: str | None = None,
         draft: str | None = None,
-        method: str = "draft",
+        method: Method = "draft",
         num_speculative_tokens: int | str = "auto",
-        dtype: str | torch.dtype = "auto",
+        dtype: DType | torch.dtype = "auto",
         max_context: int = 4096,
         verify_rows: int | None = None,
         device: str | None = None,
         draft_quantization: str | None = "auto",
-        quantization: str = "auto",
-        max_num_seqs: int | str = 1,
+        quantization: Quantization = "auto",
+        max_num_seqs: int | Literal["auto"] = 1,
         **drafter_options: object,
     ) -> Engine:
         """Load the models and build a ready engine (engine/builder.py). `drafter_options`
@@ -152,7 +159,7 @@ class Engine:
         """An engine from what engine/builder.py assembled."""
         return cls(parts)
 
-    def with_method(self, method: str) -> Engine:
+    def with_method(self, method: Method) -> Engine:
         """The same target (shared weights and cache) with no drafter: the plain baseline."""
         from understudy.engine.builder import EngineParts
 

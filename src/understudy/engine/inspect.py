@@ -27,7 +27,7 @@ from typing import Any, TypedDict
 import torch
 from gguf import GGMLQuantizationType
 
-from understudy.config import UnderstudyError
+from understudy.config import DType, Quantization, UnderstudyError
 from understudy.drafters import DRAFTERS
 from understudy.drafters.eagle import find_head
 from understudy.engine.builder import METHODS, EngineSpec, within_exact_rope
@@ -127,14 +127,14 @@ class InspectReport:
 class BuildOptions(TypedDict):
     """How a model is built for the inspection: weightless's arguments after the spec."""
 
-    dtype: str
-    quantization: str
+    dtype: DType
+    quantization: Quantization
     device: torch.device
     fetch: bool
 
 
 def weightless(
-    spec: str, dtype: str, quantization: str, device: torch.device, fetch: bool
+    spec: str, dtype: DType, quantization: Quantization, device: torch.device, fetch: bool
 ) -> Weightless:
     """`spec` as the loader would build it, weightless. A packaged model not fetched yet is
     refused (one line) unless `fetch`."""
@@ -179,7 +179,7 @@ def tensor_groups(layout: GGUFLayout) -> list[TensorGroup]:
     return sorted(rows, key=lambda g: -g.file_bytes)
 
 
-def blocks_refusal(target: Weightless, dtype: str, device: torch.device) -> str | None:
+def blocks_refusal(target: Weightless, dtype: DType, device: torch.device) -> str | None:
     """Why quantization="gguf" would refuse a GGUF model (None: it would run from blocks)."""
     if target.layout is None:
         return None
@@ -191,7 +191,9 @@ def blocks_refusal(target: Weightless, dtype: str, device: torch.device) -> str 
     return None
 
 
-def why_path(target: Weightless, refused: str | None, dtype: str, quantization: str) -> str:
+def why_path(
+    target: Weightless, refused: str | None, dtype: DType, quantization: Quantization
+) -> str:
     if target.path == "blocks":
         assert target.layout is not None  # the blocks path is a GGUF file's
         return (
@@ -340,8 +342,8 @@ def inspect_model(
     spec: str,
     draft: str | None = None,
     max_context: int = 4096,
-    dtype: str = "auto",
-    quantization: str = "auto",
+    dtype: DType = "auto",
+    quantization: Quantization = "auto",
     device: str | None = None,
     fetch: bool = False,
 ) -> InspectReport:
