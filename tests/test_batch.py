@@ -303,6 +303,8 @@ def test_bad_batches_are_refused_before_anything_runs(tiny_pair):
         engine.generate(["a", "b"], [SamplingParams()] * 3)
     with pytest.raises(UnderstudyError, match="on_token"):
         engine.generate(["a", "b"], on_token=print)
+    with pytest.raises(UnderstudyError, match="list of prompts"):
+        engine.generate("a", [SamplingParams()])
     assert not engine.scheduler.busy
 
 

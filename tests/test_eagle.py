@@ -220,6 +220,13 @@ def test_missing_head_says_how_to_train_one(tiny_pair, tmp_path, monkeypatch):
         Engine.from_pretrained(target=target, method="eagle", draft=str(tmp_path), dtype="float32")
 
 
+def test_a_head_option_that_names_no_folder_is_refused(tiny_pair):
+    target, _ = tiny_pair
+    for head in (5, True, ["a"]):  # e.g. --option head=5 parses to an int
+        with pytest.raises(UnderstudyError, match="head must be a folder"):
+            Engine.from_pretrained(target=target, method="eagle", dtype="float32", head=head)
+
+
 def test_head_of_another_target_is_refused(trained, tmp_path):
     target, folder, _ = trained
     other = tmp_path / "other"

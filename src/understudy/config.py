@@ -61,7 +61,7 @@ class StructuredSpec:
     array), `regex`, `grammar` (EBNF in the GBNF dialect) or `choice` (one of the strings).
     understudy.constraints.grammar compiles it; generation ends with EOS when it is complete."""
 
-    json_schema: dict | str | None = None
+    json_schema: dict[str, object] | str | None = None
     json_object: bool = False
     regex: str | None = None
     grammar: str | None = None
@@ -185,11 +185,11 @@ class SamplingParams:
         return self.temperature == 0.0
 
 
-def parse_num_speculative_tokens(value: int | str) -> int | str:
+def parse_num_speculative_tokens(value: int | str) -> int | Literal["auto"]:
     """Validate K: an int in 1..64, or "auto"."""
     if isinstance(value, str):
         if value == "auto":
-            return value
+            return "auto"
         try:
             value = int(value)
         except ValueError:

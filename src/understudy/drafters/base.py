@@ -26,9 +26,9 @@ up once, when the engine is built, never in the decode loop.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -199,9 +199,13 @@ def register(method: str) -> Callable[[type[Drafter]], type[Drafter]]:
     return wrap
 
 
-def take_options(method: str, options: dict[str, object], defaults: dict[str, object]) -> dict:
+def take_options(
+    method: str, options: Mapping[str, object], defaults: Mapping[str, object]
+) -> dict[str, Any]:
     """`defaults` updated with `options`; an option not in `defaults` is an error (fail early:
-    a misspelt option silently ignored would quietly benchmark the wrong configuration)."""
+    a misspelt option silently ignored would quietly benchmark the wrong configuration).
+    The values are Any: the caller's, unchecked, each validated by the drafter that takes it
+    (its constructor, positive_int, threshold), which refuses a value of the wrong type."""
     unknown = sorted(set(options) - set(defaults))
     if unknown:
         raise UnderstudyError(

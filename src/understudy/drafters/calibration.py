@@ -20,7 +20,8 @@ which keeps verification exact under sampling, and seeded sampling reproducible.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any
 
 from understudy.config import TREE_MODES, TreeMode, UnderstudyError
 from understudy.drafters.base import Drafter, positive_int, take_options, threshold
@@ -177,8 +178,8 @@ class DoubtRules(Drafter):
 
 
 def chain_and_tree_options(
-    method: str, options: dict[str, object], defaults: dict[str, object]
-) -> tuple[dict, TreeMode, int, float | None, float | None]:
+    method: str, options: Mapping[str, object], defaults: Mapping[str, object]
+) -> tuple[dict[str, Any], TreeMode, int, float | None, float | None]:
     """The options of a drafter that may draft trees and stop chains on doubt (draft, eagle):
     (all options, tree mode, tree_branching, draft_confidence, draft_path_confidence)."""
     opts = take_options(method, options, defaults)

@@ -44,6 +44,7 @@ from understudy.drafters.tree_search import BestFirstTree, tree_log_scores
 from understudy.models.eagle_head import CONFIG_FILE, EagleHead, load_head, read_head_config
 from understudy.models.loader import LoadedModel
 from understudy.models.quant import quantize_model
+from understudy.models.transformer import Transformer
 from understudy.verify.sampling import sample, warp_probs
 
 # head cache slots past the real pairs, for a tree's nodes (a round stops growing its tree
@@ -79,6 +80,9 @@ def find_head(target: LoadedModel, head: str | None) -> Path:
             "(about an hour on a 2-core CPU), or pass draft=DIR"
         )
     cfg, _ = read_head_config(folder)
+    # eagle reads the target's hidden states: a FallbackLM target, which has none to read,
+    # is refused first (hf_fallback.refuse_on_fallback, by the builder and the inspection)
+    assert isinstance(target.model, Transformer)
     t = target.model.cfg
     if (cfg.hidden_size, cfg.target_vocab_size) != (t.hidden_size, t.vocab_size):
         raise UnderstudyError(
@@ -109,7 +113,10 @@ class EagleProposer(DoubtRules):
             "draft_path_confidence": "auto",
         }
         opts, tree, branching, confidence, path = chain_and_tree_options("eagle", options, defaults)
-        folder = find_head(target, opts["head"])  # type: ignore[arg-type]
+        if opts["head"] is not None and not isinstance(opts["head"], str):
+            raise UnderstudyError(f"head must be a folder (a path), got {opts['head']!r}")
+        folder = find_head(target, opts["head"])
+        assert isinstance(target.model, Transformer)  # as find_head: refused on a FallbackLM
         head = load_head(folder, target.model)
         return cls(head, max_context, tree, branching, confidence, path)
 
@@ -220,7 +227,8 @@ class EagleProposer(DoubtRules):
         head, real = self.head, len(tokens) - 1
         root = self._catch_up(tokens)  # [hidden]
         base = real - 1  # the root's pair (f_{real-1}, tokens[-1]) sits at this slot
-        room = self.head.k_cache.shape[1] - base  # type: ignore[union-attr]
+        assert head.k_cache is not None  # allocated in __init__ (allocate_cache)
+        room = head.k_cache.shape[1] - base
         tree = BestFirstTree(nodes, self.branching)
         tree.grow([-1], tree_log_scores(head.draft_logits(root[None]), params), self.vocab)
         predicted = {-1: root}  # candidate -> the head's prediction after it, once fed

@@ -42,6 +42,8 @@ import torch
 from understudy.config import SamplingParams, UnderstudyError
 from understudy.drafters.base import DRAFTERS, Drafter, Proposal, Traits, register, take_options
 from understudy.drafters.draft_model import DraftModelProposer
+from understudy.drafters.ngram import NgramProposer
+from understudy.drafters.suffix import SuffixProposer
 from understudy.measure.live import LiveCostRatio
 from understudy.models.loader import LoadedModel
 from understudy.models.runner import Runner
@@ -108,6 +110,7 @@ class HybridProposer(Drafter):
                 f"hybrid_free must be one of {', '.join(FREE_METHODS)}, got {free_method!r}"
             )
         free = DRAFTERS[free_method].from_models(target, None, max_context, **options)
+        assert isinstance(free, NgramProposer | SuffixProposer)  # what FREE_METHODS name
         model = DraftModelProposer.from_models(target, draft, max_context)
         cost = opts["hybrid_cost_ratio"]
         if cost is None:  # measured by the builder (settle), then learnt from the rounds

@@ -14,10 +14,11 @@ from __future__ import annotations
 
 import warnings
 from dataclasses import dataclass, field, replace
+from typing import Literal
 
 import torch
 
-from understudy.config import UnderstudyError
+from understudy.config import DType, Method, Quantization, UnderstudyError
 from understudy.drafters import DRAFTERS
 from understudy.drafters.base import Drafter
 from understudy.engine.draft_setup import default_draft, load_draft, resolve_draft_quantization
@@ -45,13 +46,15 @@ METHODS = ("none", *DRAFTERS)
 class EngineSpec:
     """What to assemble, apart from the models: the method, K, the context and options."""
 
-    method: str = "draft"
-    k: int | str = "auto"
+    method: Method = "draft"
+    k: int | Literal["auto"] = "auto"
     max_context: int = 4096
     verify_rows: int | None = None  # rows of a target pass; default: the hardware's
     draft_quantization: str | None = "auto"
     drafter_options: dict[str, object] = field(default_factory=dict)
-    max_num_seqs: int | str = 1  # seats: sequences decoded together (engine/batch.py), or "auto"
+    max_num_seqs: int | Literal["auto"] = (
+        1  # seats: sequences decoded together (engine/batch.py), or "auto"
+    )
 
     def __post_init__(self) -> None:
         if self.method not in METHODS:
@@ -86,8 +89,8 @@ class EngineParts:
     target: LoadedModel
     runner: Runner
     drafter: Drafter | None
-    method: str
-    num_speculative_tokens: int | str
+    method: Method
+    num_speculative_tokens: int | Literal["auto"]
     max_context: int
     exact: bool
     costs: Costs
@@ -99,9 +102,9 @@ def load_models(
     target: str | None,
     draft: str | None,
     spec: EngineSpec,
-    dtype: str | torch.dtype = "auto",
+    dtype: DType | torch.dtype = "auto",
     device: str | None = None,
-    quantization: str = "auto",
+    quantization: Quantization = "auto",
 ) -> LoadedModels:
     """Names -> loaded models: the target, and the draft model when the method needs one."""
     target_model = load_model(target or DEFAULT_TARGET, dtype, device, quantization)
@@ -158,6 +161,7 @@ def within_exact_rope(target: LoadedModel, spec: EngineSpec) -> EngineSpec:
     limit = model.exact_context if isinstance(model, Transformer) else None
     if limit is None or spec.max_context <= limit:
         return spec
+    assert isinstance(model, Transformer)  # only our Transformer has a limit
     scaling = model.cfg.rope_scaling
     assert scaling is not None  # only a scaled rope has a limit
     warnings.warn(

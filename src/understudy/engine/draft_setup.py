@@ -5,7 +5,9 @@ token).
 
 from __future__ import annotations
 
-from understudy.config import UnderstudyError
+import torch
+
+from understudy.config import DType, Quantization, UnderstudyError
 from understudy.engine.pass_shape import ROW_INVARIANT_ROWS, use_fused_layers, use_span_attention
 from understudy.models.hf_fallback import FallbackLM
 from understudy.models.loader import LoadedModel, load_model
@@ -13,6 +15,7 @@ from understudy.models.quant import SCHEMES, load_or_quantize
 from understudy.models.registry import DEFAULT_DRAFT, DEFAULT_TARGET
 from understudy.models.requantize import SCHEME as REQUANTIZE_SCHEME
 from understudy.models.requantize import requantize_linears
+from understudy.models.transformer import Transformer
 
 DEFAULT_CPU_DRAFT_QUANTIZATION = "int4-g32"  # measured fastest on this CPU: docs/quantized-draft.md
 AUTO_BLOCKS_SCHEME = REQUANTIZE_SCHEME  # "auto" for a draft running from its GGUF blocks
@@ -90,16 +93,24 @@ def default_draft(target: str | None, draft: str | None) -> str | None:
 
 
 def load_draft(
-    spec: str, target: LoadedModel, scheme_request: str | None, dtype, device, quantization: str
+    spec: str,
+    target: LoadedModel,
+    scheme_request: str | None,
+    dtype: DType | torch.dtype,
+    device: str | None,
+    quantization: Quantization,
 ) -> LoadedModel:
     """Load a draft model, refuse it unless its tokens mean the target's, quantize it."""
     draft = load_model(spec, dtype, device, quantization)
     check_compatible(target, draft)
     scheme = resolve_draft_quantization(scheme_request, draft, draft_model=True)
+    # resolve_draft_quantization gives a FallbackLM draft no scheme: with one, a Transformer
     if scheme == REQUANTIZE_SCHEME:  # before the fused layers take the linears' weights
+        assert isinstance(draft.model, Transformer)
         requantize_linears(draft.model)
     use_span_attention(draft.model, ROW_INVARIANT_ROWS)  # its chain steps and catch-ups
     use_fused_layers(draft.model)
     if scheme not in (None, REQUANTIZE_SCHEME):
+        assert isinstance(draft.model, Transformer)
         load_or_quantize(draft.model, None, scheme)
     return draft

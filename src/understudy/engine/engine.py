@@ -19,11 +19,15 @@ batch of any size: solo decoding is a batch of one (engine/scheduler.py, engine/
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
-from typing import TYPE_CHECKING, overload
+from functools import partial
+from typing import TYPE_CHECKING, Literal, overload
 
 import torch
 
 from understudy.config import (
+    DType,
+    Method,
+    Quantization,
     SamplingParams,
     TreeMode,
     UnderstudyError,
@@ -72,7 +76,7 @@ class Engine:
         self.scheduler = Scheduler(setup, seats)
 
     @property
-    def k(self) -> int | str:
+    def k(self) -> int | Literal["auto"]:
         """num_speculative_tokens: a fixed K or "auto". Settable between requests: the
         requests admitted after the change plan with it (stats.k says which they had)."""
         return self.scheduler.setup.rules.k
@@ -125,15 +129,15 @@ class Engine:
         cls,
         target: str | None = None,
         draft: str | None = None,
-        method: str = "draft",
+        method: Method = "draft",
         num_speculative_tokens: int | str = "auto",
-        dtype: str | torch.dtype = "auto",
+        dtype: DType | torch.dtype = "auto",
         max_context: int = 4096,
         verify_rows: int | None = None,
         device: str | None = None,
         draft_quantization: str | None = "auto",
-        quantization: str = "auto",
-        max_num_seqs: int | str = 1,
+        quantization: Quantization = "auto",
+        max_num_seqs: int | Literal["auto"] = 1,
         **drafter_options: object,
     ) -> Engine:
         """Load the models and build a ready engine (engine/builder.py). `drafter_options`
@@ -161,7 +165,7 @@ class Engine:
         """An engine from what engine/builder.py assembled."""
         return cls(parts)
 
-    def with_method(self, method: str) -> Engine:
+    def with_method(self, method: Method) -> Engine:
         """The same target (shared weights and cache) with no drafter: the plain baseline."""
         from understudy.engine.builder import EngineParts
 
@@ -196,7 +200,12 @@ class Engine:
         on_token: None = None,
     ) -> list[GenerationOutput]: ...
 
-    def generate(self, prompt, params=None, on_token=None):
+    def generate(
+        self,
+        prompt: Prompt | list[Prompt],
+        params: SamplingParams | list[SamplingParams] | None = None,
+        on_token: Callable[[TokenEvent], None] | None = None,
+    ) -> GenerationOutput | list[GenerationOutput]:
         """Generate a completion; `on_token` (optional) sees every token as it is emitted.
         A list of prompts (with one SamplingParams for all, or one each) runs as a batch on
         the engine's seats (max_num_seqs) and returns the outputs in order, each exactly
@@ -204,11 +213,15 @@ class Engine:
         if is_batch(prompt):
             if on_token is not None:
                 raise UnderstudyError("on_token streams one prompt; a batch returns outputs")
-            outputs = [None] * len(prompt)
+            outputs: list[GenerationOutput | None] = [None] * len(prompt)
             for i, item in self.stream_batch(prompt, params):
                 if isinstance(item, GenerationOutput):
                     outputs[i] = item
-            return outputs
+            done = [output for output in outputs if output is not None]
+            assert len(done) == len(outputs)  # stream_batch ends every sequence with its output
+            return done
+        if isinstance(params, list):
+            raise UnderstudyError("a list of SamplingParams goes with a list of prompts, one each")
         stream = self.stream(prompt, params or SamplingParams())
         for event in stream:
             if on_token is not None:
@@ -254,8 +267,8 @@ class Engine:
             scheduler.submit(
                 ids,
                 p,
-                on_token=lambda event, i=i: events.append((i, event)),
-                on_done=lambda output, i=i: events.append((i, output)),
+                on_token=partial(_keep, events, i),
+                on_done=partial(_keep, events, i),
                 on_round=on_round,
             )  # fmt: skip
             for i, (ids, p) in enumerate(zip(prompts, params, strict=True))
@@ -273,6 +286,14 @@ class Engine:
                 sequence.cancel()
             while not all(s.finished.is_set() for s in sequences):
                 scheduler.step()
+
+
+def _keep(
+    events: list[tuple[int, TokenEvent | GenerationOutput]],
+    i: int,
+    item: TokenEvent | GenerationOutput,
+) -> None:
+    events.append((i, item))
 
 
 def params_each(

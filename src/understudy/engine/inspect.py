@@ -18,15 +18,16 @@ fields, documented there).
 
 from __future__ import annotations
 
+import ctypes
 import math
 import warnings
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import Any, TypedDict
 
 import torch
 from gguf import GGMLQuantizationType
 
-from understudy.config import UnderstudyError
+from understudy.config import DType, Quantization, UnderstudyError
 from understudy.drafters import DRAFTERS
 from understudy.drafters.eagle import find_head
 from understudy.engine.builder import METHODS, EngineSpec, within_exact_rope
@@ -41,11 +42,11 @@ from understudy.kernels import qgemm
 from understudy.models.fetch import gguf_path
 from understudy.models.gguf_file import GGUFLayout, TensorEntry
 from understudy.models.gguf_weights import architecture
-from understudy.models.hf_fallback import FallbackLM, refuse_on_fallback, unproved
+from understudy.models.hf_fallback import FallbackConfig, FallbackLM, refuse_on_fallback, unproved
 from understudy.models.loader import default_device, from_blocks, locate
 from understudy.models.registry import resolve_packaged
 from understudy.models.runner import Runner
-from understudy.models.transformer import Transformer
+from understudy.models.transformer import Transformer, TransformerConfig
 from understudy.models.weightless import Weightless, weightless_gguf, weightless_hf
 
 
@@ -124,8 +125,17 @@ class InspectReport:
         return asdict(self)
 
 
+class BuildOptions(TypedDict):
+    """How a model is built for the inspection: weightless's arguments after the spec."""
+
+    dtype: DType
+    quantization: Quantization
+    device: torch.device
+    fetch: bool
+
+
 def weightless(
-    spec: str, dtype: str, quantization: str, device: torch.device, fetch: bool
+    spec: str, dtype: DType, quantization: Quantization, device: torch.device, fetch: bool
 ) -> Weightless:
     """`spec` as the loader would build it, weightless. A packaged model not fetched yet is
     refused (one line) unless `fetch`."""
@@ -141,7 +151,7 @@ def weightless(
     return weightless_gguf(source, dtype, device)
 
 
-def held(entry: TensorEntry, lib: Any) -> tuple[str, int]:
+def held(entry: TensorEntry, lib: ctypes.CDLL | None) -> tuple[str, int]:
     """How the blocks path runs a GGUF tensor, and the bytes it holds for it
     (gguf_weights.build_from_gguf, kernels/qgemm.QuantLinear)."""
     kind = GGMLQuantizationType(entry.tensor_type)
@@ -170,7 +180,7 @@ def tensor_groups(layout: GGUFLayout) -> list[TensorGroup]:
     return sorted(rows, key=lambda g: -g.file_bytes)
 
 
-def blocks_refusal(target: Weightless, dtype: str, device: torch.device) -> str | None:
+def blocks_refusal(target: Weightless, dtype: DType, device: torch.device) -> str | None:
     """Why quantization="gguf" would refuse a GGUF model (None: it would run from blocks)."""
     if target.layout is None:
         return None
@@ -182,8 +192,11 @@ def blocks_refusal(target: Weightless, dtype: str, device: torch.device) -> str 
     return None
 
 
-def why_path(target: Weightless, refused: str | None, dtype: str, quantization: str) -> str:
+def why_path(
+    target: Weightless, refused: str | None, dtype: DType, quantization: Quantization
+) -> str:
     if target.path == "blocks":
+        assert target.layout is not None  # the blocks path is a GGUF file's
         return (
             f"GGUF architecture {target.layout.architecture!r} runs from its blocks: "
             "float32 activations, integer dot products in qgemm's kernels"
@@ -216,10 +229,14 @@ def shape_facts(target: Weightless) -> dict[str, Any]:
     """Family and shape: from our config, or a fallback model's transformers config."""
     model = target.loaded.model
     family = target.layout.architecture if target.layout is not None else None
+    cfg: TransformerConfig | FallbackConfig
     if isinstance(model, Transformer):
         cfg = model.cfg
+        if family is None:  # no GGUF file: a Hugging Face model, whose config was read
+            assert target.hf_config is not None
+            family = str(target.hf_config.model_type)
         return dict(
-            family=family or str(target.hf_config.model_type), layers=cfg.num_layers,
+            family=family, layers=cfg.num_layers,
             hidden_size=cfg.hidden_size, intermediate_size=cfg.intermediate_size,
             heads=cfg.num_heads, kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim,
             vocab_size=cfg.vocab_size, context_length=cfg.max_position_embeddings,
@@ -269,7 +286,7 @@ def passes(target: Weightless, max_context: int) -> dict[str, Any]:
 
 
 def draft_verdict(
-    target: Weightless, draft: str | None, context: int, build: dict[str, Any]
+    target: Weightless, draft: str | None, context: int, build: BuildOptions
 ) -> tuple[DraftVerdict, Weightless | None]:
     """The draft `draft`, else the packaged default pair's for the packaged target, checked
     against the target by draft_setup.check_compatible."""
@@ -326,8 +343,8 @@ def inspect_model(
     spec: str,
     draft: str | None = None,
     max_context: int = 4096,
-    dtype: str = "auto",
-    quantization: str = "auto",
+    dtype: DType = "auto",
+    quantization: Quantization = "auto",
     device: str | None = None,
     fetch: bool = False,
 ) -> InspectReport:
@@ -338,7 +355,7 @@ def inspect_model(
     fetched only with `fetch`. UnderstudyError, one line, for a spec that names no model, a
     model that cannot be read, or bad options."""
     dev = torch.device(device) if device else default_device()
-    build = dict(dtype=dtype, quantization=quantization, device=dev, fetch=fetch)
+    build = BuildOptions(dtype=dtype, quantization=quantization, device=dev, fetch=fetch)
     target = weightless(spec, **build)
     groups = tensor_groups_of(target)
     refused = blocks_refusal(target, dtype, dev)

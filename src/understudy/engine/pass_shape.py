@@ -14,10 +14,10 @@ import torch
 
 from understudy.kernels import rowgemm, span_attention
 from understudy.models.fused import FusedLayer, FusedStack
+from understudy.models.hardware import cpu_has_native_bf16
 from understudy.models.hf_fallback import FallbackLM
-from understudy.models.loader import cpu_has_native_bf16
 from understudy.models.packed import PACK_FROM_ROWS, can_pack, pack_linears
-from understudy.models.transformer import Transformer
+from understudy.models.transformer import Block, Transformer
 
 ROW_INVARIANT_ROWS = 16  # most rows of an unpadded pass (K <= 15) unless told otherwise
 
@@ -49,6 +49,7 @@ def install_row_invariant_kernels(model: Transformer | FallbackLM, rows: int) ->
         return
     rowgemm.use_row_invariant_linears(model)
     for layer in model.layers:
+        assert isinstance(layer, Block)  # as every layer is (nn.ModuleList types bare modules)
         layer.attn.rows_apart_upto = max(layer.attn.rows_apart_upto, rows)
     use_span_attention(model, rows)
     use_fused_layers(model)
@@ -62,6 +63,7 @@ def use_span_attention(model: Transformer | FallbackLM, rows: int) -> None:
     if model.dtype != torch.float32 or not span_attention.available():
         return
     for layer in model.layers:
+        assert isinstance(layer, Block)  # as every layer is (nn.ModuleList types bare modules)
         layer.attn.span_rows = max(layer.attn.span_rows, rows)
 
 
@@ -73,11 +75,13 @@ def use_fused_layers(model: Transformer | FallbackLM) -> None:
     layers in one call, the same calls in C. $UNDERSTUDY_FUSED_LAYERS=0: off."""
     if isinstance(model, FallbackLM) or os.environ.get("UNDERSTUDY_FUSED_LAYERS", "1") == "0":
         return
-    for layer in model.layers:
+    blocks = [layer for layer in model.layers if isinstance(layer, Block)]
+    assert len(blocks) == len(model.layers)  # every layer is one (nn.ModuleList types modules)
+    for layer in blocks:
         if layer.fused is None:
             layer.fused = FusedLayer.of(layer)
-    fused = [layer.fused for layer in model.layers if layer.fused is not None]
-    attn = model.layers[0].attn
+    fused = [layer.fused for layer in blocks if isinstance(layer.fused, FusedLayer)]
+    attn = blocks[0].attn
     one_call = len(fused) == len(model.layers) and not model.windowed and attn.softcap is None
     if one_call and span_attention.available():  # the attention it calls between layers
         model.fused_stack = FusedStack(fused, attn.row_scale)  # every layer in one call

@@ -19,8 +19,9 @@ import threading
 import time
 from collections import deque
 from dataclasses import dataclass, replace
+from typing import Literal
 
-from understudy.config import SamplingParams
+from understudy.config import Method, SamplingParams
 from understudy.engine.request import Seat
 from understudy.engine.round import ProposeBatch, run_round
 from understudy.engine.sequence import OnDone, OnError, OnRound, OnToken, Running, Sequence
@@ -42,7 +43,7 @@ class LoopSetup:
     """What the loop needs of its engine, fixed when the engine is built."""
 
     target: LoadedModel
-    method: str
+    method: Method
     max_context: int
     exact: bool  # every output is plain decoding's (stats.exact)
     rules: PlanRules
@@ -66,7 +67,7 @@ class Scheduler:
             None if drafter is None else type(drafter).propose_batch
         )
 
-    def retune(self, k: int | str | None = None, costs: Costs | None = None) -> None:
+    def retune(self, k: int | Literal["auto"] | None = None, costs: Costs | None = None) -> None:
         """Plan the requests admitted from now on with this K and these costs."""
         rules = self.setup.rules
         rules = replace(rules, k=rules.k if k is None else k, costs=costs or rules.costs)

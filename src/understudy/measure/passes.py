@@ -17,7 +17,7 @@ from collections.abc import Callable
 import torch
 
 from understudy.models.runner import Runner
-from understudy.models.shared_pass import score_together
+from understudy.models.shared_pass import PassRows, score_together
 from understudy.policy.batch_plan import BatchCosts
 from understudy.policy.costs import Costs, PassCurve, row_cost
 from understudy.verify.token_tree import TokenTree
@@ -107,7 +107,7 @@ def _time_rows(runners: list[Runner], rows: int, each: int, context: torch.Tenso
     assert len(sizes) <= len(runners), (rows, len(runners))
     parts = runners[: len(sizes)]
     device = context.device
-    fed = [torch.arange(40, 40 + n, device=device) for n in sizes]
+    fed: list[PassRows] = [torch.arange(40, 40 + n, device=device) for n in sizes]
     t0 = time.perf_counter()
     score_together(parts, fed)
     seconds = time.perf_counter() - t0

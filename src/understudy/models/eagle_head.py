@@ -85,6 +85,8 @@ class HeadConfig:
 class EagleHead(nn.Module):
     """See the module docstring. `embed` is the target's token embedding (shared, frozen)."""
 
+    vocab: torch.Tensor  # a buffer, registered in __init__
+
     def __init__(self, cfg: HeadConfig, embed: nn.Embedding) -> None:
         super().__init__()
         self.cfg = cfg

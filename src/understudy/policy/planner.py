@@ -20,6 +20,7 @@ A round never drafts more than the tokens still to emit, less the target's own t
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+from typing import Literal
 
 from understudy.config import TreeMode
 from understudy.policy.adaptive_k import AdaptiveK
@@ -42,7 +43,7 @@ class Plan:
 class PlanRules:
     """What every request's planner of one engine shares, fixed when it is built."""
 
-    k: int | str  # num_speculative_tokens: a fixed K, or "auto"
+    k: int | Literal["auto"]  # num_speculative_tokens: a fixed K, or "auto"
     rows: int  # the most rows of one sequence's target pass (the target's own token's too)
     tree_mode: TreeMode  # the drafter's: whether rounds may be trees
     costs: Costs  # measured at build
