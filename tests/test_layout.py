@@ -14,10 +14,6 @@ PACKAGE = ROOT / "src" / "understudy"
 MAX_LINES = 400
 MAX_BODY_LINES = 80
 
-# Import edges (importer, imported) that close a cycle today; the check below skips them.
-# Being removed by the engine-loop change.
-CYCLE_EDGES_BEING_REMOVED: frozenset[tuple[str, str]] = frozenset()
-
 # What each layer (a package under src/understudy) must not import: a lower layer never
 # reaches up, so each can be read, tested and replaced without the ones above it.
 APPLICATIONS = ("server", "cli", "bench")
@@ -64,17 +60,6 @@ LAYERS_ABOVE = {
     "head": (),
 }
 MUST_NOT_IMPORT = {layer: (*above, *APPLICATIONS) for layer, above in LAYERS_ABOVE.items()}
-
-# (module, layer it must not import) pairs that still do; the check below skips them.
-LAYER_EXCEPTIONS_BEING_REMOVED: frozenset[tuple[str, str]] = frozenset()
-
-# Functions ("path under src/understudy:qualified name") whose body is still over the limit.
-FUNCTIONS_BEING_SPLIT = frozenset(
-    {
-        "cli/train_head.py:train_head_command",  # being split on branch head
-        "head/train.py:train",  # being split on branch head
-    }
-)
 
 
 def module_name(path: Path) -> str:
@@ -149,16 +134,7 @@ def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
 
 def test_the_package_has_no_import_cycles() -> None:
     graph = import_graph()
-    graph = {
-        m: {i for i in deps if (m, i) not in CYCLE_EDGES_BEING_REMOVED} for m, deps in graph.items()
-    }
     assert find_cycle(graph) is None, " -> ".join(find_cycle(graph) or [])
-
-
-def test_the_cycle_allow_list_holds_only_edges_that_exist() -> None:
-    """An edge that is gone comes off the list, so the list never hides a new cycle."""
-    graph = import_graph()
-    assert sorted(e for e in CYCLE_EDGES_BEING_REMOVED if e[1] not in graph.get(e[0], ())) == []
 
 
 def test_the_cycle_finder_finds_a_cycle() -> None:
@@ -202,18 +178,7 @@ def layer_violations(graph: dict[str, set[str]]) -> set[tuple[str, str]]:
 
 
 def test_layers_point_one_way() -> None:
-    found = {
-        (m, i)
-        for m, i in layer_violations(import_graph())
-        if (m, layer(i)) not in LAYER_EXCEPTIONS_BEING_REMOVED
-    }
-    assert sorted(found) == []
-
-
-def test_the_layer_allow_list_holds_only_what_still_happens() -> None:
-    """A rule that is kept comes off the list, so the list never hides a new violation."""
-    happening = {(m, layer(i)) for m, i in layer_violations(import_graph())}
-    assert sorted(LAYER_EXCEPTIONS_BEING_REMOVED - happening) == []
+    assert sorted(layer_violations(import_graph())) == []
 
 
 def test_the_layer_rule_can_fail() -> None:
@@ -266,15 +231,7 @@ def all_long_functions() -> dict[str, int]:
 
 
 def test_no_function_body_is_over_80_lines() -> None:
-    found = {
-        n: lines for n, lines in all_long_functions().items() if n not in FUNCTIONS_BEING_SPLIT
-    }
-    assert found == {}
-
-
-def test_the_function_allow_list_holds_only_long_functions() -> None:
-    """A function that was split comes off the list."""
-    assert sorted(FUNCTIONS_BEING_SPLIT - set(all_long_functions())) == []
+    assert all_long_functions() == {}
 
 
 def test_the_function_length_rule_can_fail() -> None:

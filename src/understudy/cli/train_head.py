@@ -16,8 +16,9 @@ from __future__ import annotations
 
 import hashlib
 import json
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Any
 
 import typer
 from rich.console import Console
@@ -97,51 +98,18 @@ def train_head_command(
     from understudy.cli.common import fail
     from understudy.config import UnderstudyError
     from understudy.drafters.eagle import default_head_dir
-    from understudy.head.corpus import stdlib_files, text_files, token_sequences
     from understudy.head.pipeline import HeadSettings, train_head
-    from understudy.head.self_text import OPENER_SAMPLED, docstring_prompts, opener_prompts
-    from understudy.head.train import PRECISIONS, TrainConfig
+    from understudy.head.train import TrainConfig
     from understudy.models.hf_fallback import refuse_on_fallback
     from understudy.models.loader import load_model
     from understudy.models.registry import DEFAULT_TARGET
 
-    for name, value, low in (
-        ("self-tokens", self_tokens, 0),
-        ("opener-tokens", opener_tokens, 0),
-        ("seq-len", seq_len, 16),
-        ("self-len", self_len, 16),
-        ("epochs", epochs, 1),
-        ("batch", batch, 1),
-        ("unroll", unroll, 1),
-        ("intermediate-size", intermediate_size, 8),
-        ("draft-vocab", draft_vocab, 2),
-    ):
-        if value < low:
-            fail(f"--{name} must be at least {low}, got {value}")
-    written = self_tokens or opener_tokens
-    if tokens < 2 * seq_len and (tokens or not written):
-        fail(
-            f"--tokens must be at least {2 * seq_len} (or 0 with --self-tokens or "
-            f"--opener-tokens), got {tokens}"
-        )
-    if written and tokens and seq_len % self_len:
-        fail(f"--seq-len {seq_len} must be a multiple of --self-len {self_len}")
-    for name, value in (("self-tokens", self_tokens), ("opener-tokens", opener_tokens)):
-        if value and value < 2 * self_len:
-            fail(f"--{name} must be 0 or at least {2 * self_len}, got {value}")
-    if opener_tokens and self_len <= OPENER_SAMPLED + 16:
-        fail(
-            f"--self-len must be over {OPENER_SAMPLED + 16} with --opener-tokens "
-            f"({OPENER_SAMPLED} are sampled), got {self_len}"
-        )
-    if init is not None and not (init / "head.safetensors").is_file():
-        fail(f"--init {init}: no trained head there (head.safetensors)")
-    if not lr > 0:
-        fail(f"--lr must be positive, got {lr}")
-    if not feature_noise >= 0:
-        fail(f"--feature-noise must be >= 0, got {feature_noise}")
-    if precision not in PRECISIONS:
-        fail(f"--precision must be one of {', '.join(PRECISIONS)}, got {precision!r}")
+    sizes = TextSizes(tokens, seq_len, self_tokens, opener_tokens, self_len)
+    problem = sizes.problem() or _option_problem(
+        epochs, batch, unroll, intermediate_size, draft_vocab, init, lr, feature_noise, precision
+    )
+    if problem:
+        fail(problem)
     train_cfg = TrainConfig(
         epochs=epochs,
         batch=batch,
@@ -156,35 +124,13 @@ def train_head_command(
         refuse_on_fallback(loaded, None, wants_hidden=True)  # a head reads hidden states
         if loaded.tokenizer is None:
             raise UnderstudyError(f"target {loaded.name!r} has no tokenizer: cannot read text")
-        if data:
-            files = text_files(list(data))
-            key = hashlib.sha256("\n".join(str(f) for f in sorted(files)).encode()).hexdigest()
-            corpus = f"data{key[:10]}"
-        else:
-            files, corpus = stdlib_files(), "stdlib"
-        if not files:
-            raise UnderstudyError("the training data holds no readable .py/.md/.txt files")
-        sequences: list[list[int]] = []
-        if tokens:
-            count = whole_shards(tokens // seq_len)
-            sequences = list(token_sequences(files, loaded.tokenizer, seq_len, count))
-            if len(sequences) < 2:
-                raise UnderstudyError(f"the training data holds under {2 * seq_len} tokens")
-        prompts: list[list[int]] = []
-        if self_tokens:
-            count = whole_shards(self_tokens // self_len)
-            prompts = docstring_prompts(stdlib_files(), loaded.tokenizer, count, self_len - 1)
-            if len(prompts) < 2:
-                raise UnderstudyError("found under 2 docstring prompts shorter than --self-len")
-        openers: list[list[int]] = []
-        if opener_tokens:
-            openers = opener_prompts(loaded.tokenizer, whole_shards(opener_tokens // self_len))
+        text = training_text(loaded.tokenizer, data, sizes)
         folder = out or default_head_dir(loaded.name)
-        own = (len(prompts) + len(openers)) * self_len
+        own = (len(text.prompts) + len(text.openers)) * self_len
         written = f" + {own} the target writes" if own else ""
         err.print(
-            f"training a head for {loaded.name} on {len(sequences) * seq_len} tokens "
-            f"({corpus}){written}; output: {folder}"
+            f"training a head for {loaded.name} on {len(text.sequences) * seq_len} tokens "
+            f"({text.corpus}){written}; output: {folder}"
         )
         settings = HeadSettings(
             intermediate_size=intermediate_size,
@@ -193,8 +139,9 @@ def train_head_command(
             self_len=self_len,
         )
         meta = train_head(
-            loaded, sequences, folder, corpus, settings, progress, prompts, init, openers
-        )
+            loaded, text.sequences, folder, text.corpus, settings, progress, text.prompts,
+            init, text.openers,
+        )  # fmt: skip
     except (UnderstudyError, FileNotFoundError) as error:
         fail(str(error))
         return
@@ -205,3 +152,119 @@ def train_head_command(
     err.print(json.dumps(summary))
     use = "understudy generate --method eagle" + (f" --draft {folder}" if out else "")
     err.print(f"saved to {folder}; use it with: {use} 'def fib(n):'")
+
+
+@dataclass(frozen=True)
+class TextSizes:
+    """How much text a head trains on: corpus tokens in sequences of seq_len, and text the
+    target writes itself (from docstrings; from file openers) in sequences of self_len."""
+
+    tokens: int
+    seq_len: int
+    self_tokens: int
+    opener_tokens: int
+    self_len: int
+
+    def problem(self) -> str | None:
+        """The first option out of range, as a one-line message, or None."""
+        from understudy.head.self_text import OPENER_SAMPLED
+
+        for name, value, low in (
+            ("self-tokens", self.self_tokens, 0),
+            ("opener-tokens", self.opener_tokens, 0),
+            ("seq-len", self.seq_len, 16),
+            ("self-len", self.self_len, 16),
+        ):
+            if value < low:
+                return f"--{name} must be at least {low}, got {value}"
+        written = self.self_tokens or self.opener_tokens
+        if self.tokens < 2 * self.seq_len and (self.tokens or not written):
+            return (
+                f"--tokens must be at least {2 * self.seq_len} (or 0 with --self-tokens or "
+                f"--opener-tokens), got {self.tokens}"
+            )
+        if written and self.tokens and self.seq_len % self.self_len:
+            return f"--seq-len {self.seq_len} must be a multiple of --self-len {self.self_len}"
+        for name, value in (
+            ("self-tokens", self.self_tokens),
+            ("opener-tokens", self.opener_tokens),
+        ):
+            if value and value < 2 * self.self_len:
+                return f"--{name} must be 0 or at least {2 * self.self_len}, got {value}"
+        if self.opener_tokens and self.self_len <= OPENER_SAMPLED + 16:
+            return (
+                f"--self-len must be over {OPENER_SAMPLED + 16} with --opener-tokens "
+                f"({OPENER_SAMPLED} are sampled), got {self.self_len}"
+            )
+        return None
+
+
+def _option_problem(
+    epochs: int, batch: int, unroll: int, intermediate_size: int, draft_vocab: int,
+    init: Path | None, lr: float, feature_noise: float, precision: str,
+) -> str | None:  # fmt: skip
+    """The first training option out of range, as a one-line message, or None."""
+    from understudy.head.train import PRECISIONS
+
+    for name, value, low in (
+        ("epochs", epochs, 1),
+        ("batch", batch, 1),
+        ("unroll", unroll, 1),
+        ("intermediate-size", intermediate_size, 8),
+        ("draft-vocab", draft_vocab, 2),
+    ):
+        if value < low:
+            return f"--{name} must be at least {low}, got {value}"
+    if init is not None and not (init / "head.safetensors").is_file():
+        return f"--init {init}: no trained head there (head.safetensors)"
+    if not lr > 0:
+        return f"--lr must be positive, got {lr}"
+    if not feature_noise >= 0:
+        return f"--feature-noise must be >= 0, got {feature_noise}"
+    if precision not in PRECISIONS:
+        return f"--precision must be one of {', '.join(PRECISIONS)}, got {precision!r}"
+    return None
+
+
+@dataclass(frozen=True)
+class TrainingText:
+    """The token sequences a head trains on, the prompts the target continues itself, and the
+    corpus's name (its features' cache key)."""
+
+    sequences: list[list[int]]
+    prompts: list[list[int]]
+    openers: list[list[int]]
+    corpus: str
+
+
+def training_text(tokenizer: Any, data: list[Path] | None, sizes: TextSizes) -> TrainingText:
+    """The corpus (`data`'s files, or the standard library's source) cut into sequences, and
+    the docstring and opener prompts; UnderstudyError where there is too little of either."""
+    from understudy.config import UnderstudyError
+    from understudy.head.corpus import stdlib_files, text_files, token_sequences
+    from understudy.head.self_text import docstring_prompts, opener_prompts
+
+    if data:
+        files = text_files(list(data))
+        key = hashlib.sha256("\n".join(str(f) for f in sorted(files)).encode()).hexdigest()
+        corpus = f"data{key[:10]}"
+    else:
+        files, corpus = stdlib_files(), "stdlib"
+    if not files:
+        raise UnderstudyError("the training data holds no readable .py/.md/.txt files")
+    sequences: list[list[int]] = []
+    if sizes.tokens:
+        count = whole_shards(sizes.tokens // sizes.seq_len)
+        sequences = list(token_sequences(files, tokenizer, sizes.seq_len, count))
+        if len(sequences) < 2:
+            raise UnderstudyError(f"the training data holds under {2 * sizes.seq_len} tokens")
+    prompts: list[list[int]] = []
+    if sizes.self_tokens:
+        count = whole_shards(sizes.self_tokens // sizes.self_len)
+        prompts = docstring_prompts(stdlib_files(), tokenizer, count, sizes.self_len - 1)
+        if len(prompts) < 2:
+            raise UnderstudyError("found under 2 docstring prompts shorter than --self-len")
+    openers: list[list[int]] = []
+    if sizes.opener_tokens:
+        openers = opener_prompts(tokenizer, whole_shards(sizes.opener_tokens // sizes.self_len))
+    return TrainingText(sequences, prompts, openers, corpus)
