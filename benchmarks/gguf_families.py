@@ -9,9 +9,10 @@ thread count:
 
 - ours, plain: `Engine.from_pretrained(target=FILE, method="none")`, greedy, `--tokens`
   tokens after a prompt of `--prompt` token ids, `--reps` times after a warm-up; decode-only
-  tokens a second (`stats.decode_tokens_per_s`), the mean;
+  tokens a second (`stats.decode_tokens_per_s`), the median of the repetitions;
 - llama.cpp: `llama-bench -m FILE -t T -p 0 -n TOKENS -d PROMPT -r REPS -o json` (tg at the
-  same depth), its mean;
+  same depth), the median of its repetitions (one busy spell of a shared machine moves
+  a mean, not a median);
 - ours, n-gram speculation (method="ngram") on the same prompt, which repeats a short run of
   token ids, and whether its tokens are plain decoding's (they must be).
 
@@ -437,7 +438,8 @@ def llama_bench(bin_dir: Path, path: Path, args: argparse.Namespace) -> dict[str
         tail = " ".join((done.stdout + done.stderr).split())[-600:]
         return {"error": f"llama-bench exited {done.returncode}: {tail}"}
     row = parse_llama_bench_json(done.stdout)[0]
-    return dict(tokens_per_s=row.tokens_per_s, stddev=row.stddev, samples=row.samples,
+    median = statistics.median(row.samples) if row.samples else row.tokens_per_s
+    return dict(tokens_per_s=median, stddev=row.stddev, samples=row.samples,
                 test=row.test, model_type=row.model_type, build=row.build, cpu=row.cpu)  # fmt: skip
 
 
@@ -475,7 +477,7 @@ def ours(path: Path, method: str, prompt: list[int], args: argparse.Namespace) -
     samples = [o.stats.decode_tokens_per_s for o in outs]
     last = outs[-1].stats
     return dict(
-        tokens_per_s=statistics.mean(samples), samples=samples, load_s=load_s,
+        tokens_per_s=statistics.median(samples), samples=samples, load_s=load_s,
         from_blocks=from_blocks, refusals=handler.messages, token_ids=outs[0].token_ids,
         same_every_rep=all(o.token_ids == outs[0].token_ids for o in outs),
         drafted=last.drafted, accepted=last.accepted, tokens_per_pass=last.tokens_per_pass,

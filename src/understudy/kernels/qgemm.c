@@ -214,6 +214,7 @@ static void panel_rows(int type, const uint8_t *pk, const uint8_t *next, const a
     switch (type) { /* the types qgemm_avx512.h has a body for (Q5_0's panels are this build's
                      * own); the others run the AVX2 one, the same bits from the same panels */
     case T_Q4_K:
+    case T_Q5_K:
     case T_Q6_K:
     case T_Q8_0:
     case T_Q5_0:

@@ -108,20 +108,31 @@ AI void dots(const __m512i *w, const int n, const int8_t *a, const long stride, 
         into[r] = _mm512_add_epi32(into[r], scale ? _mm512_mullo_epi32(acc[r], *scale) : acc[r]);
 }
 
-/* Q4_K: 8 sub-blocks of 32 values, unsigned 6-bit scales and mins (jsum: the mins times
- * the rows' sums per 32 values) */
-AI void q4_k_block(const uint8_t *blk, const uint8_t *next, long b, const acts_t *A, long m0,
-                   const int R, __m512 *f) {
+/* bit e of each byte of hb, at bit 4 (Q5_K's fifth bit of the e-th register's values) */
+AI __m512i fifth_bit(__m512i hb, const int e) {
+    const __m512i at4 = _mm512_set1_epi8(0x10);
+    __m512i moved = e < 4 ? _mm512_slli_epi16(hb, 4 - e) : _mm512_srli_epi16(hb, e - 4);
+    return _mm512_and_si512(moved, at4); /* a 16-bit shift: bit 4 of each byte is its own */
+}
+
+/* Q4_K and Q5_K (five = 0, 1): 8 sub-blocks of 32 values, unsigned 6-bit scales and mins
+ * (jsum: the mins times the rows' sums per 32 values); Q5_K's fifth bits join the nibbles */
+AI void q4_k_block(const int five, const uint8_t *blk, const uint8_t *next, long b,
+                   const acts_t *A, long m0, const int R, __m512 *f) {
     const __m512i low = _mm512_set1_epi8(0xf);
     __m512i isum[GROUP];
     for (int r = 0; r < R; ++r) isum[r] = _mm512_setzero_si512();
     for (int j = 0; j < 8; ++j) {
-        if (next) fetch_part(next, 2368, j, 8);
+        if (next) fetch_part(next, five ? 2880 : 2368, j, 8);
         __m512i w[8];
         for (int l = 0; l < 4; ++l) {
             __m512i v = _mm512_loadu_si512((const void *)(blk + 320 + 64 * (4 * j + l)));
             w[2 * l] = _mm512_and_si512(v, low);
             w[2 * l + 1] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
+        }
+        if (five) { /* value 32j + 4e + i's fifth bit: bit e of its column's byte */
+            const __m512i hb = _mm512_loadu_si512((const void *)(blk + 2368 + 64 * j));
+            for (int e = 0; e < 8; ++e) w[e] = _mm512_or_si512(w[e], fifth_bit(hb, e));
         }
         __m512i sc = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(blk + 64 + 16 * j)));
         dots(w, 8, A->q + m0 * A->K + 256 * b + 32 * j, A->K, R, &sc, isum);
@@ -241,8 +252,8 @@ AI void b32_block(const int type, const uint8_t *blk, const uint8_t *next, long 
  * next: the panel-block to ask of memory meanwhile, a slice per sub-block (or NULL) */
 AI void block_rows(const int type, const uint8_t *blk, const uint8_t *next, long b,
                    const acts_t *A, long m0, const int R, __m512 *f) {
-    if (type == T_Q4_K)
-        q4_k_block(blk, next, b, A, m0, R, f);
+    if (type == T_Q4_K || type == T_Q5_K)
+        q4_k_block(type == T_Q5_K, blk, next, b, A, m0, R, f);
     else if (type == T_Q6_K)
         q6_k_block(blk, next, b, A, m0, R, f);
     else
@@ -342,6 +353,7 @@ static void panel_rows512(int type, const uint8_t *pk, const acts_t *A, long m0,
                           const float *bias, float *y, long ldy, long cols) {
     switch (type) {
     case T_Q4_K: panel_of(T_Q4_K, pk, A, m0, rows, bias, y, ldy, cols); break;
+    case T_Q5_K: panel_of(T_Q5_K, pk, A, m0, rows, bias, y, ldy, cols); break;
     case T_Q6_K: panel_of(T_Q6_K, pk, A, m0, rows, bias, y, ldy, cols); break;
     case T_Q8_0: panel_of(T_Q8_0, pk, A, m0, rows, bias, y, ldy, cols); break;
     case T_Q5_0: panel_of(T_Q5_0, pk, A, m0, rows, bias, y, ldy, cols); break;
