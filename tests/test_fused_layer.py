@@ -14,6 +14,7 @@ import torch
 from gguf_helpers import KERNEL_LAYER_TYPES, MIXED_LAYER_TYPES, write_tiny_qwen2_gguf
 from understudy import Engine, SamplingParams
 from understudy.kernels import fused_layer, qgemm, span_attention
+from understudy.models.key_groups import KeyGroup
 from understudy.models.refusals import log_refusal
 from understudy.models.runner import Runner
 
@@ -91,6 +92,66 @@ def test_all_layers_in_one_call_give_the_per_layer_bits(
         results.append(hidden + [c.clone() for c in model.k_cache + model.v_cache])
     model.fused_stack = stack
     assert taken == [True] * len(passes) + [False]
+    for a, b in zip(results[0], results[1], strict=True):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.skipif(not span_attention.available(), reason="span_attention is off or unbuilt")
+def test_a_pass_of_several_sequences_takes_the_stack_with_the_same_bits(
+    kernel_pair: tuple[str, str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A batched pass (KeyGroups: each sequence over its own region of the cache) runs all
+    its layers in one call, one mask over the cache's slots, and gives the per-layer path's
+    bits: two sequences in regions at slots 0 and 16, prompts of 5 and 6 rows, then passes
+    of 1 + 3 and 2 + 1 rows; a pass where one sequence is a tree (gathered keys) is declined
+    by the stack and computed by the per-layer path, alike."""
+    model = Engine.from_pretrained(method="none", target=kernel_pair[0], **OPTIONS).target.model
+    stack = model.fused_stack
+    assert stack is not None and model.layers[0].attn.span_rows >= 6
+    taken: list[bool] = []
+    run = stack.run
+    monkeypatch.setattr(stack, "run", lambda *args: taken.append(run(*args)) or taken[-1])
+    seqs = [
+        torch.tensor([3, 17, 42, 7, 99, 250, 1, 64, 128]),
+        torch.tensor([5, 77, 31, 8, 2, 90, 11, 6, 200]),
+    ]
+    bases = [0, 16]
+    passes = [[(0, 5), (0, 6)], [(5, 6), (6, 9)], [(6, 8), (9, 9)]]  # per sequence [start, end)
+    results = []
+    for use in (True, False):
+        model.fused_stack = stack if use else None
+        model.k_cache, model.v_cache = [], []
+        model.allocate_cache(32)
+        hidden = []
+        for spans in passes:
+            tokens, positions, slots, groups, start = [], [], [], [], 0
+            for seq, base, (a, b) in zip(seqs, bases, spans, strict=True):
+                if a == b:
+                    continue
+                where = torch.arange(a, b)
+                tokens.append(seq[a:b])
+                positions.append(where)
+                slots.append(base + where)
+                mask = torch.arange(b)[None] <= where[:, None]  # [n, b] causal
+                groups.append(KeyGroup(slice(start, start + b - a), base, mask))
+                start += b - a
+            empty = torch.ones(start, 0, dtype=torch.bool)
+            hidden.append(model.hidden_states(torch.cat(tokens), torch.cat(positions),
+                                              torch.cat(slots), empty, groups=groups))  # fmt: skip
+        # sequence 0 a chain row at position 8; sequence 1 two sibling nodes at position 9
+        tree = torch.zeros(2, 10, dtype=torch.bool)
+        tree[:, :9], tree[0, 9], tree[1, 9] = True, True, True
+        key_slots = torch.arange(10).repeat(2, 1) + 16
+        key_slots[1, 9] = 26  # the second sibling's own slot
+        groups = [KeyGroup(slice(0, 1), 0, torch.ones(1, 9, dtype=torch.bool)),
+                  KeyGroup(slice(1, 3), 16, tree, key_slots)]  # fmt: skip
+        hidden.append(model.hidden_states(
+            torch.tensor([128, 200, 45]), torch.tensor([8, 9, 9]), torch.tensor([8, 25, 26]),
+            torch.ones(3, 0, dtype=torch.bool), groups=groups,
+        ))  # fmt: skip
+        results.append(hidden + [c.clone() for c in model.k_cache + model.v_cache])
+    model.fused_stack = stack
+    assert taken == [True] * len(passes), taken  # the tree's pass never reached the stack
     for a, b in zip(results[0], results[1], strict=True):
         assert torch.equal(a, b)
 

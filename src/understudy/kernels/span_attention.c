@@ -198,14 +198,15 @@ static void attend_heads(const float *restrict q, long q_head_stride, long heads
 /* Row r's keys from its mask row (bool bytes): the run lo..hi-1 of ones. 0 when the row's
    ones are one nonempty run, else 1 (a tree's ancestors without gathering, or nothing). */
 static int one_run(const unsigned char *row, long length, long *lo, long *hi) {
-    long a = 0;
-    while (a < length && !row[a]) a++;
-    long b = a;
+    /* memchr skips the zeros many bytes a step: a batched pass's rows are masked over
+       every seat's slots, most of them another sequence's */
+    const unsigned char *first = memchr(row, 1, (size_t)length);
+    if (first == NULL) return 1;
+    long a = first - row, b = a;
     while (b < length && row[b]) b++;
-    for (long j = b; j < length; j++)
-        if (row[j]) return 1;
+    if (b < length && memchr(row + b, 1, (size_t)(length - b)) != NULL) return 1;
     *lo = a, *hi = b;
-    return b > a ? 0 : 1;
+    return 0;
 }
 
 int understudy_span_attention(

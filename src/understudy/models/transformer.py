@@ -42,7 +42,7 @@ import torch
 from torch import nn
 
 from understudy.models.attention import Attention, region_view, rotate_half
-from understudy.models.key_groups import KeyGroup, groups_within_window
+from understudy.models.key_groups import KeyGroup, groups_within_window, slot_mask
 from understudy.models.moe import MLP, SparseMoE
 from understudy.models.norms import RMSNorm, make_norm
 from understudy.models.rope import RopeScaling, Rotary, exact_positions
@@ -271,18 +271,12 @@ class Transformer(nn.Module):
                     None if groups is None else groups_within_window(groups, positions, window),
                 )
             )
-        stack_takes_it = (
-            self.fused_stack is not None
-            and key_slots is None
-            and split is None
-            and regions is None
-            and groups is None
-            and tokens.shape[0] <= self.layers[0].attn.span_rows
-        )
-        if stack_takes_it:  # all rows over their one run of keys, by span_attention
+        stack_mask = self.stack_mask(tokens.shape[0], mask, key_slots, split, regions, groups)
+        if stack_mask is not None:  # all rows over their one run of keys, by span_attention
+            assert self.fused_stack is not None
             x = x.contiguous()
             cos, sin = ropes[0]
-            if self.fused_stack.run(x, cos, sin, slots, self.k_cache, self.v_cache, mask):
+            if self.fused_stack.run(x, cos, sin, slots, self.k_cache, self.v_cache, stack_mask):
                 return self.norm(x)
         for layer, k_cache, v_cache in zip(self.layers, self.k_cache, self.v_cache, strict=True):
             cos, sin = ropes[layer.rope]
@@ -301,6 +295,30 @@ class Transformer(nn.Module):
             x = x + layer.post_attn_norm(attn)
             x = x + layer.post_mlp_norm(layer.mlp(layer.mlp_norm(x)))
         return self.norm(x)
+
+    def stack_mask(
+        self,
+        rows: int,
+        mask: torch.Tensor,  # [R, L]
+        key_slots: torch.Tensor | None,
+        split: SplitKeys | None,
+        regions: int | None,
+        groups: list[KeyGroup] | None,
+    ) -> torch.Tensor | None:
+        """The mask over cache slots with which the fused stack takes this pass, or None
+        where the layer-by-layer path must: no stack, gathered keys or split passes, or rows
+        that the layers would not give span_attention (more than span_rows of one sequence).
+        A pass of several sequences (groups) is one mask over their regions (slot_mask)."""
+        if self.fused_stack is None or key_slots is not None or split is not None:
+            return None
+        span_rows = self.layers[0].attn.span_rows
+        if regions is not None:
+            return None
+        if groups is None:
+            return mask if rows <= span_rows else None
+        if any(g.rows.stop - g.rows.start > span_rows for g in groups):
+            return None
+        return slot_mask(groups, rows)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[R, hidden] final hidden states -> [R, vocab] float32 logits (capped for Gemma 2:
