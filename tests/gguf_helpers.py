@@ -223,6 +223,20 @@ def _hyperparameters(writer: GGUFWriter, config, arch: str) -> None:
             getattr(writer, f"add_{special}_token_id")(token)
 
 
+def llama3_divisors(config, rope: dict) -> np.ndarray:
+    """Llama 3.1's rope scaling as llama.cpp's converter stores it: what each frequency of
+    plain rope is divided by (1 for the fast ones, the factor for the slow, a blend between)."""
+    dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    inv_freq = 1.0 / rope["rope_theta"] ** (np.arange(0, dim, 2) / dim)
+    wavelength = 2 * math.pi / inv_freq
+    old, factor = rope["original_max_position_embeddings"], rope["factor"]
+    low, high = rope["low_freq_factor"], rope["high_freq_factor"]
+    smooth = (old / wavelength - low) / (high - low)
+    blend = 1 / ((1 - smooth) / factor + smooth)
+    slow = np.where(wavelength > old / low, factor, blend)
+    return np.where(wavelength < old / high, 1.0, slow).astype(np.float32)
+
+
 def _gguf_tensors(model, arch: str) -> list[tuple[str, np.ndarray]]:
     """(gguf name, float32 data) of every tensor llama.cpp's converter writes: llama's q/k
     rows permuted, OFFSET_NORMS' norms as 1 + w, a mixture's router and stacked experts
@@ -235,6 +249,8 @@ def _gguf_tensors(model, arch: str) -> list[tuple[str, np.ndarray]]:
     heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
     out = []
     rope = config.rope_parameters or {}
+    if rope.get("rope_type") == "llama3":  # llama.cpp's converter writes the divisors so
+        out.append(("rope_freqs.weight", llama3_divisors(config, rope)))
     if rope.get("rope_type") == "longrope":  # llama.cpp's converter writes the factors so
         for kind in ("long", "short"):
             factors = np.array(rope[f"{kind}_factor"], dtype=np.float32)

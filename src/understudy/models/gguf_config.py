@@ -13,7 +13,10 @@ and llama.cpp computes with, so the model is the one the file describes:
   LongRoPE (the short and long factors are tensors of the file, rope_factors_short/long,
   with the pretraining context and the cos/sin factor in the metadata) and its sliding
   window (Phi-3-mini's 2047; Phi-4's files write 0, none);
-- Gemma 2's soft caps, and Gemma 3's linear rope scaling of its global layers.
+- Gemma 2's soft caps, and Gemma 3's linear rope scaling of its global layers;
+- Llama 3.1+'s rope scaling, which llama.cpp's converter writes as a tensor, rope_freqs (each
+  frequency's divisor), and no metadata: read as plain rope, such a model's positions would
+  turn unlike llama.cpp's and transformers' (rope kind "divisors").
 """
 
 from __future__ import annotations
@@ -93,4 +96,25 @@ def config_from_gguf(cfg: TransformerConfig, layout: GGUFLayout, path: Path) -> 
     factor = meta.get(f"{arch}.rope.scaling.factor")
     if arch == "gemma3" and meta.get("gemma3.rope.scaling.type") == "linear" and factor:
         changes["rope_scaling"] = RopeScaling("linear", factor=float(factor))
+    changes.update(_rope_divisors(cfg, layout, path, changes))
     return replace(cfg, **changes) if changes else cfg
+
+
+def _rope_divisors(
+    cfg: TransformerConfig, layout: GGUFLayout, path: Path, changes: dict[str, Any]
+) -> dict[str, Any]:
+    if "rope_freqs.weight" not in layout.names():
+        return {}
+    if changes.get("rope_scaling", cfg.rope_scaling) is not None:
+        raise UnsupportedArchitecture(
+            f"{path.name}: rope_freqs.weight besides another rope scaling; which one applies "
+            "is not known here"
+        )
+    divisors = tuple(float(v) for v in mapped_tensors(path, layout)["rope_freqs.weight"].data)
+    rotated = changes.get("rotary_dim") or cfg.rotary_dim or changes.get("head_dim", cfg.head_dim)
+    if len(divisors) != rotated // 2:
+        raise UnsupportedArchitecture(
+            f"{path.name}: rope_freqs.weight holds {len(divisors)} values for {rotated // 2} "
+            "frequencies"
+        )
+    return {"rope_scaling": RopeScaling("divisors", divisors=divisors)}
