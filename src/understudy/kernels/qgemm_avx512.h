@@ -40,6 +40,7 @@
 
 #define AI static inline __attribute__((always_inline))
 
+#define CHAINS 2 /* a lone row's product chains (n, 4 or 8, a multiple) */
 #define GROUP 8 /* rows whose integer sums stay in registers over a decoded sub-block */
 
 /* quantize_row, 16 values a step: the same float operations on each value (|x|, the block's
@@ -98,6 +99,17 @@ AI __m512i four(const int8_t *p) {
  * instruction, so R of them are in flight whatever the reorder window holds. */
 AI void dots(const __m512i *w, const int n, const int8_t *a, const long stride, const int R,
              const __m512i *scale, __m512i *into) {
+    if (R == 1) { /* one row: CHAINS chains (e mod CHAINS), or it waits on vpdpbusd's latency */
+        __m512i part[CHAINS];
+        for (int c = 0; c < CHAINS; ++c)
+            part[c] = _mm512_dpbusd_epi32(_mm512_setzero_si512(), w[c], four(a + 4 * c));
+        for (int e = CHAINS; e < n; ++e)
+            part[e % CHAINS] = _mm512_dpbusd_epi32(part[e % CHAINS], w[e], four(a + 4 * e));
+        __m512i acc = part[0];
+        for (int c = 1; c < CHAINS; ++c) acc = _mm512_add_epi32(acc, part[c]);
+        into[0] = _mm512_add_epi32(into[0], scale ? _mm512_mullo_epi32(acc, *scale) : acc);
+        return;
+    }
     __m512i acc[GROUP];
     for (int r = 0; r < R; ++r)
         acc[r] = _mm512_dpbusd_epi32(_mm512_setzero_si512(), w[0], four(a + r * stride));
