@@ -251,6 +251,22 @@ def test_the_cap_drafts_while_rows_are_cheap_and_stops_when_they_are_not():
     assert choose_cap(mixed, dear) == 0
 
 
+def test_a_greedy_tree_is_kept_whole_where_it_pays_and_capped_where_rows_are_dear():
+    """A tree of 15 nodes, depth 4: kept whole (None) where its rows are cheap and its rounds
+    have yielded more than a chain's; a chain of its depth where they yielded no more (the
+    same tokens for fewer rows); plain rounds (0) where rows are dear. A sampled tree is
+    never capped, and its nodes count."""
+    cheap = BatchCosts(Curve((1, 256), (0.10, 0.11)), Curve((1, 8), (0.01, 0.011)))
+    dear = BatchCosts(Curve((1, 2, 128), (0.10, 0.2, 12.8)), Curve((1, 8), (0.01, 0.011)))
+    trees = [Wish(4, True, flat, tree_rows=15, tree_tokens=flat(4) + 1.5) for _ in range(4)]
+    assert choose_cap(trees, cheap) is None
+    no_gain = [Wish(4, True, flat, tree_rows=15, tree_tokens=flat(4)) for _ in range(4)]
+    assert choose_cap(no_gain, cheap) == 4
+    assert choose_cap(trees, dear) == 0
+    sampled = Wish(4, False, flat, tree_rows=15, tree_tokens=flat(4))
+    assert sampled.rows(0, whole=True) == 15 and sampled.tokens(0, whole=True) == flat(4)
+
+
 def test_the_drafts_lag_is_a_cost_of_drafting():
     """A draft model that must first be fed what it has not seen (a sequence that just
     joined: its whole prompt) makes the same round's drafting dearer, here too dear."""

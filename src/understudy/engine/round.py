@@ -60,27 +60,31 @@ def run_round(
 
 def plan_round(running: list[Running], costs: BatchCosts | None) -> list[Plan]:
     """Each sequence's own plan; where the engine chooses K itself, with the batch's costs
-    and several sequences, greedy chains are capped at the length that maximises the batch's
-    modelled tokens per second (policy/batch_plan.py). Sampled sequences and trees keep
-    their own plans."""
+    and several sequences, greedy plans are capped at the length that maximises the batch's
+    modelled tokens per second, a capped tree becoming a chain, unless the plans as made
+    model faster (policy/batch_plan.py). Sampled sequences keep their own plans."""
     plans = [s.planner.plan(s.request.emitter.remaining) for s in running]
     if costs is None or len(running) < 2 or running[0].planner.k != "auto":
         return plans
     wishes = [wish(s, plan) for s, plan in zip(running, plans, strict=True)]
     cap = choose_cap(wishes, costs)
+    if cap is None:
+        return plans
     return [p.capped(cap) if w.capped else p for p, w in zip(plans, wishes, strict=True)]
 
 
 def wish(sequence: Running, plan: Plan) -> Wish:
-    """The sequence's view of the round for the batch's cap: a greedy chain may be capped;
-    a tree or a sampled chain keeps its plan, and its rows (a tree's nodes) count."""
+    """The sequence's view of the round for the batch's cap: a greedy plan may be capped (a
+    tree then a chain); a sampled one keeps its plan, and its rows (a tree's nodes) count."""
     tokens = sequence.planner.expected_tokens_upto(plan.k)  # one sweep
     return Wish(
-        plan.nodes if plan.tree else plan.k,
-        sequence.params.greedy and not plan.tree,
+        plan.k,
+        sequence.params.greedy,
         lambda k: tokens[min(k, plan.k)],  # a tree: its chain's estimate at its depth
         sequence.draft_lag(),
         sequence.request.emitter.remaining,
+        plan.nodes if plan.tree else 0,
+        sequence.planner.expected_tree_tokens(plan.k) if plan.tree else 0.0,
     )
 
 

@@ -20,9 +20,15 @@ share of it that its expected tokens are of the sequence's remaining budget. c =
 batched decoding, chosen when no speculation pays. The plan never changes which tokens are
 emitted (verification decides that), only how many rounds they take.
 
-A sampled sequence keeps its own planner's length (it is not capped), and steps its draft in
-passes of its own: its random draws then happen exactly as in its solo run, so a seeded
-request gives the same text batched as alone.
+A greedy tree is capped too: a tree of n nodes costs n rows of the shared pass, and under
+load those rows are what the pass cannot afford. The plans as made (trees whole) are one
+option, and each cap c another, where a capped tree becomes a chain of min(depth, c) guesses;
+the choice is whichever models faster (a tree's tokens: what the engine's tree rounds have
+emitted a round, at least its chain's estimate at its depth). Verification keeps a greedy answer the same either way.
+
+A sampled sequence keeps its own planner's length and shape (it is not capped), and steps
+its draft in passes of its own: its random draws then happen exactly as in its solo run, so
+a seeded request gives the same text batched as alone.
 """
 
 from __future__ import annotations
@@ -53,16 +59,27 @@ class BatchCosts:
 
 @dataclass(frozen=True)
 class Wish:
-    """One sequence's view of the round: its own planner's length, whether it is capped
-    (greedy sequences are), its expected tokens for k guesses, its draft model's lag (tokens
-    to feed before it can guess; 0 for a drafter without a model) and its remaining budget
-    (0: unknown, the whole lag is this round's)."""
+    """One sequence's view of the round: its own planner's length (a tree's depth), whether
+    it is capped (greedy sequences are), its expected tokens for k guesses, its draft model's
+    lag (tokens to feed before it can guess; 0 for a drafter without a model), its remaining
+    budget (0: unknown, the whole lag is this round's) and, for a tree, its nodes and its
+    expected tokens whole."""
 
     want: int
     capped: bool
     expected_tokens: Callable[[int], float]
     lag: int = 0
     remaining: int = 0
+    tree_rows: int = 0  # a tree's nodes, its rows in the pass (0: a chain)
+    tree_tokens: float = 0.0  # a whole tree's expected tokens
+
+    def rows(self, k: int, whole: bool) -> int:
+        """Its guesses' rows in the pass at length k: a tree's nodes while it stays whole."""
+        return self.tree_rows if whole and self.tree_rows else k
+
+    def tokens(self, k: int, whole: bool) -> float:
+        """Its expected tokens at length k: a tree's own while it stays whole."""
+        return self.tree_tokens if whole and self.tree_rows else self.expected_tokens(k)
 
     def first_rows(self, k: int) -> float:
         """This sequence's rows in the round's first draft pass when it drafts k guesses:
@@ -73,21 +90,31 @@ class Wish:
         return 1.0 + (self.lag - 1) * share
 
 
-def choose_cap(wishes: list[Wish], costs: BatchCosts) -> int:
-    """The cap c on capped sequences' lengths maximising modelled tokens per second."""
+def choose_cap(wishes: list[Wish], costs: BatchCosts) -> int | None:
+    """The cap on capped sequences' lengths (a capped tree: a chain) maximising modelled
+    tokens per second; None where the plans as made, trees whole, model faster than any cap
+    (only a batch with a capped tree has that option apart from the top cap)."""
     top = max((w.want for w in wishes if w.capped), default=0)
-    best_cap, best_rate = 0, -1.0
-    for cap in range(top + 1):
-        lengths = [min(w.want, cap) if w.capped else w.want for w in wishes]
-        tokens = sum(w.expected_tokens(k) for w, k in zip(wishes, lengths, strict=True))
-        pairs = list(zip(wishes, lengths, strict=True))
-        shared = [(k, w.first_rows(k)) for w, k in pairs if w.capped]
-        seconds = costs.target.seconds_at(sum(lengths) + len(lengths))
-        seconds += costs.draft_seconds([k for k, _ in shared], [rows for _, rows in shared])
-        for w, k in pairs:  # a sampled sequence steps its draft in passes of its own
-            if not w.capped:
-                seconds += costs.draft_seconds([k], [w.first_rows(k)])
-        rate = tokens / max(seconds, 1e-9)
+    options: list[int | None] = [None] if any(w.capped and w.tree_rows for w in wishes) else []
+    best_cap: int | None = 0
+    best_rate = -1.0
+    for cap in [*options, *range(top + 1)]:
+        rate = _rate(wishes, costs, cap)
         if rate > best_rate * (1 + 1e-6):
             best_cap, best_rate = cap, rate
     return best_cap
+
+
+def _rate(wishes: list[Wish], costs: BatchCosts, cap: int | None) -> float:
+    """Modelled tokens per second of the round under `cap` (None: the plans as made)."""
+    whole = [cap is None or not w.capped for w in wishes]  # trees kept whole
+    lengths = [w.want if cap is None or not w.capped else min(w.want, cap) for w in wishes]
+    tokens = sum(w.tokens(k, t) for w, k, t in zip(wishes, lengths, whole, strict=True))
+    rows = sum(w.rows(k, t) for w, k, t in zip(wishes, lengths, whole, strict=True))
+    seconds = costs.target.seconds_at(rows + len(wishes))
+    shared = [(k, w.first_rows(k)) for w, k in zip(wishes, lengths, strict=True) if w.capped]
+    seconds += costs.draft_seconds([k for k, _ in shared], [r for _, r in shared])
+    for w, k in zip(wishes, lengths, strict=True):  # a sampled sequence steps its draft alone
+        if not w.capped:
+            seconds += costs.draft_seconds([k], [w.first_rows(k)])
+    return tokens / max(seconds, 1e-9)

@@ -35,8 +35,9 @@ class Plan:
     nodes: int  # most nodes of a tree (its rows in the target pass)
 
     def capped(self, most: int) -> Plan:
-        """The same plan with at most `most` guesses (a batch's cap on greedy chains)."""
-        return replace(self, k=min(self.k, most))
+        """A chain of at most `most` guesses (a batch's cap on greedy plans): a tree becomes
+        the chain of its depth, capped."""
+        return replace(self, k=min(self.k, most), tree=False)
 
 
 @dataclass(frozen=True)
@@ -88,6 +89,12 @@ class RoundPlanner:
         if self.adaptive is None:
             return AdaptiveK(max(self.k_max, k, 1), Costs()).expected_tokens_upto(k)
         return self.adaptive.expected_tokens_upto(k)
+
+    def expected_tree_tokens(self, depth: int) -> float:
+        """Modelled tokens of a tree round of this depth: what this engine's tree rounds have
+        emitted a round, and at least the estimate for a chain of that depth."""
+        chain = self.expected_tokens(depth)
+        return max(chain, self.shapes.tokens_per_round(True)) if self.shapes else chain
 
     def observe(self, tree: bool, drafted: int, accepted: int, depth: int) -> None:
         """A verified round: a tree or a chain of `drafted` guesses (nodes), `accepted` of
