@@ -17,6 +17,7 @@ from understudy.kernels import fused_layer, qgemm, span_attention
 from understudy.models.key_groups import KeyGroup
 from understudy.models.refusals import log_refusal
 from understudy.models.runner import Runner
+from understudy.models.transformer import FusedStackHook, Transformer
 
 pytestmark = [
     pytest.mark.skipif(not qgemm.available(), reason="qgemm cannot be built here"),
@@ -59,6 +60,20 @@ def test_taken_where_every_linear_is_of_a_kernel_type(
     assert len(said) == 1 and "F32 part" in said[0], said  # once, for both layers
 
 
+def recording_stack(
+    target: str, monkeypatch: pytest.MonkeyPatch
+) -> tuple[Transformer, FusedStackHook, list[bool]]:
+    """The target's model, its fused stack, and the list each stack call appends its answer
+    to (True: the stack took the pass)."""
+    model = Engine.from_pretrained(method="none", target=target, **OPTIONS).target.model
+    stack = model.fused_stack
+    assert stack is not None and model.layers[0].attn.span_rows >= 6
+    taken: list[bool] = []
+    run = stack.run
+    monkeypatch.setattr(stack, "run", lambda *args: taken.append(run(*args)) or taken[-1])
+    return model, stack, taken
+
+
 @pytest.mark.skipif(not span_attention.available(), reason="span_attention is off or unbuilt")
 def test_all_layers_in_one_call_give_the_per_layer_bits(
     kernel_pair: tuple[str, str], monkeypatch: pytest.MonkeyPatch
@@ -67,12 +82,7 @@ def test_all_layers_in_one_call_give_the_per_layer_bits(
     bitwise the same hidden states and caches, for a prompt of 6 rows and decode passes of 1,
     2 and 5 rows; a pass whose rows' keys are not one run (a tree's: row 1 skips its sibling)
     is declined by the stack and computed by the per-layer path, alike."""
-    model = Engine.from_pretrained(method="none", target=kernel_pair[0], **OPTIONS).target.model
-    stack = model.fused_stack
-    assert stack is not None and model.layers[0].attn.span_rows >= 6
-    taken: list[bool] = []
-    run = stack.run
-    monkeypatch.setattr(stack, "run", lambda *args: taken.append(run(*args)) or taken[-1])
+    model, stack, taken = recording_stack(kernel_pair[0], monkeypatch)
     tokens = torch.tensor([3, 17, 42, 7, 99, 250, 1, 64, 128, 5, 77, 31, 8, 2, 90])
     passes = [(0, 6), (6, 7), (7, 9), (9, 14)]  # [start, end) of tokens
     tree = torch.zeros(2, 16, dtype=torch.bool)  # two siblings at slots 14 and 15
@@ -105,12 +115,7 @@ def test_a_pass_of_several_sequences_takes_the_stack_with_the_same_bits(
     bits: two sequences in regions at slots 0 and 16, prompts of 5 and 6 rows, then passes
     of 1 + 3 and 2 + 1 rows; a pass where one sequence is a tree (gathered keys) is declined
     by the stack and computed by the per-layer path, alike."""
-    model = Engine.from_pretrained(method="none", target=kernel_pair[0], **OPTIONS).target.model
-    stack = model.fused_stack
-    assert stack is not None and model.layers[0].attn.span_rows >= 6
-    taken: list[bool] = []
-    run = stack.run
-    monkeypatch.setattr(stack, "run", lambda *args: taken.append(run(*args)) or taken[-1])
+    model, stack, taken = recording_stack(kernel_pair[0], monkeypatch)
     seqs = [
         torch.tensor([3, 17, 42, 7, 99, 250, 1, 64, 128]),
         torch.tensor([5, 77, 31, 8, 2, 90, 11, 6, 200]),
