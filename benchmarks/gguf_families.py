@@ -8,11 +8,14 @@ real Gemma 3 270M as well (the packaged `gemma3-270m`, Q4_K_M). On each file, wi
 thread count:
 
 - ours, plain: `Engine.from_pretrained(target=FILE, method="none")`, greedy, `--tokens`
-  tokens after a prompt of `--prompt` token ids, `--reps` times after a warm-up; decode-only
-  tokens a second (`stats.decode_tokens_per_s`), the median of the repetitions;
+  tokens after a prompt of `--prompt` token ids, `--reps` times a round after a warm-up;
+  decode-only tokens a second (`stats.decode_tokens_per_s`), the median of the round's runs;
 - llama.cpp: `llama-bench -m FILE -t T -p 0 -n TOKENS -d PROMPT -r REPS -o json` (tg at the
   same depth), the median of its repetitions (one busy spell of a shared machine moves
   a mean, not a median);
+- the two alternate, `--rounds` rounds of each on a file (llama-bench, then ours, with our
+  engine loaded once), and the ratio is the median of the rounds' ratios: a shared
+  machine's speed drifts from minute to minute, and a round's two figures share minutes;
 - ours, n-gram speculation (method="ngram") on the same prompt, which repeats a short run of
   token ids, and whether its tokens are plain decoding's (they must be).
 
@@ -450,8 +453,17 @@ def prompt_ids(length: int) -> list[int]:
     return [int(t) for t in np.resize(unit, length)]
 
 
-def ours(path: Path, method: str, prompt: list[int], args: argparse.Namespace) -> dict[str, Any]:
-    """One engine on `path`: loaded, warmed up, timed `--reps` times; then released."""
+def ours(
+    path: Path,
+    method: str,
+    prompt: list[int],
+    args: argparse.Namespace,
+    between: Callable[[], None] | None = None,
+    rounds: int = 1,
+) -> dict[str, Any]:
+    """One engine on `path`: loaded, warmed up, then `rounds` rounds of `--reps` timed runs,
+    `between()` (llama-bench) before each; then released. Per round, the median of its
+    runs."""
     import gc
 
     from understudy import Engine, SamplingParams
@@ -468,16 +480,22 @@ def ours(path: Path, method: str, prompt: list[int], args: argparse.Namespace) -
         load_s = time.perf_counter() - t0
         params = SamplingParams(max_tokens=args.tokens, temperature=0.0, ignore_eos=True)
         engine.generate(prompt, SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True))
-        outs = [engine.generate(prompt, params) for _ in range(args.reps)]
+        outs, per_round = [], []
+        for _ in range(rounds):
+            if between is not None:
+                between()
+            these = [engine.generate(prompt, params) for _ in range(args.reps)]
+            per_round.append(statistics.median(o.stats.decode_tokens_per_s for o in these))
+            outs += these
         from_blocks = bool(engine.target.from_blocks)
         del engine
         gc.collect()
     finally:
         logger.removeHandler(handler)
-    samples = [o.stats.decode_tokens_per_s for o in outs]
     last = outs[-1].stats
     return dict(
-        tokens_per_s=statistics.median(samples), samples=samples, load_s=load_s,
+        tokens_per_s=statistics.median(per_round), per_round=per_round, load_s=load_s,
+        samples=[o.stats.decode_tokens_per_s for o in outs],
         from_blocks=from_blocks, refusals=handler.messages, token_ids=outs[0].token_ids,
         same_every_rep=all(o.token_ids == outs[0].token_ids for o in outs),
         drafted=last.drafted, accepted=last.accepted, tokens_per_pass=last.tokens_per_pass,
@@ -485,20 +503,30 @@ def ours(path: Path, method: str, prompt: list[int], args: argparse.Namespace) -
 
 
 def measure(job: Job, args: argparse.Namespace) -> dict[str, Any]:
+    """llama-bench and our plain decoding in alternate rounds (a shared machine's speed
+    drifts between minutes: each round's two figures come from the same minutes), the
+    ratio the median of the rounds' ratios; then n-gram speculation."""
     family, mix, path = job.family, job.mix, job.path
     prompt = prompt_ids(args.prompt)
-    note(f"{family} {mix}: llama-bench")
-    theirs = llama_bench(args.bin, path, args)
-    note(f"{family} {mix}: ours, plain")
-    plain = ours(path, "none", prompt, args)
+    theirs_rounds: list[dict[str, Any]] = []
+
+    def llama() -> None:
+        note(f"{family} {mix}: llama-bench, round {len(theirs_rounds) + 1} of {args.rounds}")
+        theirs_rounds.append(llama_bench(args.bin, path, args))
+
+    plain = ours(path, "none", prompt, args, between=llama, rounds=args.rounds)
     note(f"{family} {mix}: ours, ngram")
     ngram = ours(path, "ngram", prompt, args)
-    tg = theirs.get("tokens_per_s")
+    tgs = [t.get("tokens_per_s") for t in theirs_rounds]
+    ratios = [mine / tg for mine, tg in zip(plain["per_round"], tgs, strict=True) if tg]
+    theirs = dict(theirs_rounds[-1], rounds=theirs_rounds)
+    if all(tgs):
+        theirs["tokens_per_s"] = statistics.median(t for t in tgs if t)
     return dict(
         family=family, mix=mix, file=str(path), size_bytes=path.stat().st_size,
         shape=asdict(job.shape) if job.shape else None,
         ours_plain=plain, llama_bench=theirs, ours_ngram=ngram,
-        ratio=plain["tokens_per_s"] / tg if tg else None,
+        ratio=statistics.median(ratios) if len(ratios) == len(tgs) else None, round_ratios=ratios,
         ngram_equals_plain=ngram["token_ids"] == plain["token_ids"],
     )  # fmt: skip
 
@@ -539,7 +567,7 @@ def header(args: argparse.Namespace) -> dict[str, Any]:
         pass
     return dict(
         date=time.strftime("%Y-%m-%d"), cpu=cpu, cpu_count=os.cpu_count(),
-        threads=args.threads, tokens=args.tokens, prompt=args.prompt, reps=args.reps,
+        threads=args.threads, tokens=args.tokens, prompt=args.prompt, reps=args.reps, rounds=args.rounds,
         tiny=args.tiny, quantization=args.quantization, bin=str(args.bin),
     )  # fmt: skip
 
@@ -559,7 +587,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     parser.add_argument("--tokens", type=int, default=64, help="tokens generated a run")
     parser.add_argument("--prompt", type=int, default=64, help="prompt token ids (and depth)")
-    parser.add_argument("--reps", type=int, default=3, help="timed runs (after a warm-up)")
+    parser.add_argument("--reps", type=int, default=3, help="timed runs a round (after a warm-up)")
+    parser.add_argument(
+        "--rounds", type=int, default=3, help="alternate rounds of llama-bench and ours, per file"
+    )
     parser.add_argument("--threads", type=int, default=os.cpu_count() or 1)
     parser.add_argument(
         "--bin",
