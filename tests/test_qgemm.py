@@ -7,6 +7,9 @@ format keeps them). References are float64 matmuls with gguf's own dequantized w
 from __future__ import annotations
 
 import ctypes
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -274,7 +277,9 @@ def test_panels_pad_a_partial_last_panel_without_writing_past_it() -> None:
     assert torch.equal(y[:, :21], alone)
 
 
-def parts_call(lib, linears: list[qgemm.QuantLinear], firsts: list[int], x, ldy: int):
+def parts_call(
+    lib, linears: list[qgemm.QuantLinear], firsts: list[int], x, ldy: int, threads: int = 0
+):
     """understudy_qgemm_parts over each linear's one part, into y [M, ldy] filled with a
     sentinel: (return code, y)."""
     n = len(linears)
@@ -284,7 +289,7 @@ def parts_call(lib, linears: list[qgemm.QuantLinear], firsts: list[int], x, ldy:
         n, (ctypes.c_int * n)(*[c[0] for c in calls]), (ctypes.c_void_p * n)(*[c[1] for c in calls]),
         (ctypes.c_void_p * n)(*[c[2] or None for c in calls]), (ctypes.c_long * n)(*firsts),
         (ctypes.c_long * n)(*[c[4] for c in calls]), x.data_ptr(), y.data_ptr(), ldy, x.shape[0],
-        x.shape[1], torch.get_num_threads(),
+        x.shape[1], threads or torch.get_num_threads(),
     )  # fmt: skip
     return code, y
 
@@ -293,8 +298,7 @@ def test_parts_in_one_call_have_the_bits_of_each_part_alone() -> None:
     """One call over parts of all four types (one quantization per block size, the panels of
     all parts shared over the threads): each part's columns are bitwise those of a call of
     its own, with its bias, for 1..11 rows on 1 and 2 threads; columns between and after
-    the parts are never written. 18 panels in all: the last two go to whichever thread is
-    free (FREE_SHARE in qgemm.c)."""
+    the parts are never written."""
     lib = qgemm.load()
     shapes = [(T.Q4_K, 21), (T.Q8_0, 5), (T.Q6_K, 200), (T.Q5_0, 17)]
     linears = [
@@ -324,6 +328,34 @@ def test_parts_in_one_call_have_the_bits_of_each_part_alone() -> None:
     too_many = [linears[0]] * 5
     assert parts_call(lib, too_many, [0] * 5, x[:1], at)[0] == -1
     assert parts_call(lib, linears[:1], [at - 10], x[:1], at)[0] == -1  # past ldy
+
+
+TEAM_OF_ONE = """
+import sys, torch
+sys.path.insert(0, sys.argv[1])
+from test_qgemm import T, parts_call, qgemm, random_blocks
+lib = qgemm.load()
+linears = [qgemm.QuantLinear([random_blocks(T.Q4_K, 100, 512, seed=70)], None),
+           qgemm.QuantLinear([random_blocks(T.Q6_K, 60, 512, seed=71)], None)]
+x = torch.randn(3, 512)
+code, y = parts_call(lib, linears, [0, 100], x, 160, threads=2)
+assert code == 0, code
+alone = torch.cat([linear(x) for linear in linears], dim=1)
+print("same" if torch.equal(y, alone) else "differs")
+"""
+
+
+def test_panels_of_a_thread_that_never_started_are_taken_by_the_others() -> None:
+    """A one-tile call gives each of its `threads` a run of panels and lets a thread done
+    with its own take the rest of the others'. With OpenMP limited to one thread, a call
+    asking for two gets a team of one: that thread must take both runs, every column."""
+    env = dict(os.environ, OMP_THREAD_LIMIT="1")
+    here = str(Path(__file__).parent)
+    done = subprocess.run(
+        [sys.executable, "-c", TEAM_OF_ONE, here], env=env, capture_output=True, text=True
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.strip() == "same", done.stdout
 
 
 @pytest.mark.parametrize("kind", [T.Q5_0, T.Q8_0], ids=["Q5_0", "Q8_0"])

@@ -62,13 +62,17 @@
  * draft's output projection (896 x 896, 0.8M) reads its 0.45 MB at ~12.5 GB/s on one thread
  * of the 2-core Zen 3 and ~19 on two, where the fork costs a few microseconds */
 #define SERIAL_BELOW 1e5
-/* A call of one tile of rows hands its last 1 / FREE_SHARE panels, one at a time, to
- * whichever thread is free: two threads do not finish equal fixed shares together (their
- * streams from memory are not served alike), and the first had waited at the join. Each
- * thread's fixed run stays contiguous, which the hardware prefetchers need: every panel
- * handed out one at a time measured 1.14-1.19x slower, a fixed 7/8 0.78-0.90x the time of
- * all fixed (a Q5_K_M-like 28-layer stack, one thread pair, 1, 2 and 8 rows) */
-#define FREE_SHARE 8
+/* A call of one tile of rows gives each thread a run of panels, which it takes in order
+ * from the front; a thread done with its own run takes the others' next panels: two threads
+ * do not finish equal shares together (their streams from memory are not served alike),
+ * and the first had waited at the join. A thread's panels stay contiguous while it works
+ * alone, which the hardware prefetchers need (every panel handed out from one shared
+ * counter measured 1.14-1.19x slower) */
+#define MAX_RANGES 64 /* threads with a run of their own; more take the others' runs */
+typedef struct {
+    long next, end;
+    char pad[48]; /* a run a cache line: its owner's counter is not another's */
+} __attribute__((aligned(64))) range_t;
 
 static int is_float(int type) { return type == T_F16 || type == T_BF16; }
 
@@ -340,9 +344,11 @@ int understudy_qgemm_parts(long parts, const int *types, const uint8_t *const *p
         for (int g = 0; g < 2; ++g) acts_free(&A[g]);
         return code;
     }
-    const long total = panels_before[parts], fixed = total - total / FREE_SHARE;
+    const long total = panels_before[parts];
     const call_t c = {types, packed, bias, first, N, panels_before, x, y, ldy, K, A};
-    long free_next = fixed; /* the next panel no thread has taken */
+    range_t ranges[MAX_RANGES]; /* thread t's run of panels, taken from its front */
+    const long nr = threads < MAX_RANGES ? threads : MAX_RANGES;
+    for (long t = 0; t < nr; ++t) ranges[t] = (range_t){total * t / nr, total * (t + 1) / nr};
 #pragma omp parallel num_threads(threads) if (threads > 1)
     {
         for (int g = 0; g < 2; ++g) {
@@ -351,19 +357,21 @@ int understudy_qgemm_parts(long parts, const int *types, const uint8_t *const *p
             for (long m = 0; m < M; ++m) acts_quantize(x, m, &A[g]);
         }
         if (M <= ROW_TILE) {
-            /* one tile of rows (decoding, verifying): each thread a fixed run of the first
-             * panels, the last ones one at a time to whichever thread is free */
-            long t = 0, nt = 1;
+            /* one tile of rows (decoding, verifying): each thread its own run of panels, in
+             * order, then the rest of the others' runs, one panel at a time */
+            long t = 0;
 #ifdef _OPENMP
-            t = omp_get_thread_num(), nt = omp_get_num_threads();
+            t = omp_get_thread_num();
 #endif
-            for (long i = fixed * t / nt; i < fixed * (t + 1) / nt; ++i) panel_job(&c, i, 0, M);
-            for (;;) {
-                long i;
+            for (long k = 0; k < nr; ++k) {
+                range_t *r = &ranges[(t + k) % nr];
+                for (;;) {
+                    long i;
 #pragma omp atomic capture
-                i = free_next++;
-                if (i >= total) break;
-                panel_job(&c, i, 0, M);
+                    i = r->next++;
+                    if (i >= r->end) break;
+                    panel_job(&c, i, 0, M);
+                }
             }
         } else {
             for (long m0 = 0; m0 < M; m0 += ROW_TILE) {
