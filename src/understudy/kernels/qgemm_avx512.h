@@ -219,8 +219,60 @@ AI void q6_k_block(const uint8_t *blk, const uint8_t *next, long b, const acts_t
     }
 }
 
-/* Q8_0 (values stored + 128), Q5_0 (q, 0..31) and Q4_0 (q, 0..15): 32-value blocks, the
- * offset times the rows' sums per block taken off the integer sum */
+/* IQ4's 16 values + 128 (unsigned for vpdpbusd; KVALUES with the sign bit flipped), in
+ * every 128-bit lane: vpshufb's table */
+AI __m512i iq4_table(void) {
+    __m128i kv = _mm_loadu_si128((const __m128i *)KVALUES);
+    return _mm512_broadcast_i32x4(_mm_xor_si128(kv, _mm_set1_epi8((char)0x80)));
+}
+
+/* the codes of 64-byte group g of a panel-block's 4-bit pairs at lo, as IQ4's table values
+ * + 128: into[0] the low nibbles', into[1] the high ones' */
+AI void iq4_pair(const uint8_t *lo, const int g, const __m512i table, __m512i *into) {
+    const __m512i low = _mm512_set1_epi8(0xf);
+    __m512i v = _mm512_loadu_si512((const void *)(lo + 64 * g));
+    into[0] = _mm512_shuffle_epi8(table, _mm512_and_si512(v, low));
+    into[1] = _mm512_shuffle_epi8(table, _mm512_and_si512(_mm512_srli_epi16(v, 4), low));
+}
+
+/* IQ4_XS: 8 sub-blocks of 32 values, signed scales, no mins; the values are taken + 128, so
+ * the integer sum is formed as isum - 128 * jsum (jsum: the scales times the rows' sums per
+ * 32 values), its -128 * scale * sum terms added by vpdpwssd */
+AI void iq4_xs_block(const uint8_t *blk, const uint8_t *next, long b, const acts_t *A, long m0,
+                     const int R, __m512 *f) {
+    const __m512i table = iq4_table();
+    __m512i isum[GROUP];
+    for (int r = 0; r < R; ++r) isum[r] = _mm512_setzero_si512();
+    for (int p = 0; p < 4; ++p) {
+        /* dword c: the scales of sub-blocks 2p (low word) and 2p + 1 (high word) */
+        __m512i pair = _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i *)(blk + 32 + 32 * p)));
+        for (int h = 0; h < 2; ++h) {
+            const int j = 2 * p + h;
+            if (next) fetch_part(next, 2208, j, 8);
+            __m512i sc = h ? _mm512_srai_epi32(pair, 16)
+                           : _mm512_srai_epi32(_mm512_slli_epi32(pair, 16), 16);
+            __m512i w[8];
+            for (int l = 0; l < 4; ++l) iq4_pair(blk + 160, 4 * j + l, table, w + 2 * l);
+            dots(w, 8, A->q + m0 * A->K + 256 * b + 32 * j, A->K, R, &sc, isum);
+        }
+        /* -128 x the scales (|scale| <= 32): |value| <= 4096, an int16 */
+        const __m512i minus128 =
+            _mm512_sub_epi16(_mm512_setzero_si512(), _mm512_slli_epi16(pair, 7));
+        const int16_t *s32 = A->s32 + m0 * (A->K / 32) + 8 * b + 2 * p;
+        for (int r = 0; r < R; ++r)
+            isum[r] = _mm512_dpwssd_epi32(isum[r], minus128,
+                                          four((const int8_t *)(s32 + r * (A->K / 32))));
+    }
+    const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)blk));
+    for (int r = 0; r < R; ++r) {
+        const __m512 s = _mm512_set1_ps(A->s[(m0 + r) * A->nb + b]);
+        f[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum[r]), _mm512_mul_ps(s, d), f[r]);
+    }
+}
+
+/* Q8_0 (values stored + 128), IQ4_NL (its table's values + 128), Q5_0 (q, 0..31) and Q4_0
+ * (q, 0..15): 32-value blocks, the offset times the rows' sums per block taken off the
+ * integer sum */
 AI void b32_block(const int type, const uint8_t *blk, const uint8_t *next, long b,
                   const acts_t *A, long m0, const int R, __m512 *f) {
     if (next) fetch_block(next, panel_bytes(type));
@@ -229,6 +281,9 @@ AI void b32_block(const int type, const uint8_t *blk, const uint8_t *next, long 
     __m512i w[8];
     if (q8) {
         for (int g = 0; g < 8; ++g) w[g] = _mm512_loadu_si512((const void *)(blk + 32 + 64 * g));
+    } else if (type == T_IQ4_NL) {
+        const __m512i table = iq4_table();
+        for (int t = 0; t < 4; ++t) iq4_pair(blk + 32, t, table, w + 2 * t);
     } else if (type == T_Q4_0) {
         for (int t = 0; t < 4; ++t) {
             __m512i v = _mm512_loadu_si512((const void *)(blk + 32 + 64 * t));
@@ -251,7 +306,7 @@ AI void b32_block(const int type, const uint8_t *blk, const uint8_t *next, long 
     for (int r = 0; r < R; ++r) isum[r] = _mm512_setzero_si512();
     dots(w, 8, A->q + m0 * A->K + 32 * b, A->K, R, NULL, isum);
     const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)blk));
-    const int32_t unit = q8 ? 128 : type == T_Q5_0 ? 16 : 8;
+    const int32_t unit = q8 || type == T_IQ4_NL ? 128 : type == T_Q5_0 ? 16 : 8;
     for (int r = 0; r < R; ++r) {
         const int32_t offset = unit * (int32_t)A->s32[(m0 + r) * (A->K / 32) + b];
         __m512i t = _mm512_sub_epi32(isum[r], _mm512_set1_epi32(offset));
@@ -268,6 +323,8 @@ AI void block_rows(const int type, const uint8_t *blk, const uint8_t *next, long
         q4_k_block(type == T_Q5_K, blk, next, b, A, m0, R, f);
     else if (type == T_Q6_K)
         q6_k_block(blk, next, b, A, m0, R, f);
+    else if (type == T_IQ4_XS)
+        iq4_xs_block(blk, next, b, A, m0, R, f);
     else
         b32_block(type, blk, next, b, A, m0, R, f);
 }
@@ -370,6 +427,8 @@ static void panel_rows512(int type, const uint8_t *pk, const acts_t *A, long m0,
     case T_Q8_0: panel_of(T_Q8_0, pk, A, m0, rows, bias, y, ldy, cols); break;
     case T_Q5_0: panel_of(T_Q5_0, pk, A, m0, rows, bias, y, ldy, cols); break;
     case T_Q4_0: panel_of(T_Q4_0, pk, A, m0, rows, bias, y, ldy, cols); break;
+    case T_IQ4_XS: panel_of(T_IQ4_XS, pk, A, m0, rows, bias, y, ldy, cols); break;
+    case T_IQ4_NL: panel_of(T_IQ4_NL, pk, A, m0, rows, bias, y, ldy, cols); break;
     default: break; /* understudy_qgemm_parts takes no other type */
     }
 }
