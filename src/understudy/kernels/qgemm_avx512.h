@@ -170,12 +170,20 @@ AI __m512i select_low(__m512i lo, __m512i hi) {
     return _mm512_ternarylogic_epi32(lo, hi, _mm512_set1_epi8(0xf), 0xe4);
 }
 
-/* Q6_K: 16 sub-blocks of 16 values, signed scales, values q - 32: the integer sum is
- * isum - 32 * jsum (jsum: the scales times the rows' sums per 16 values), formed as one sum,
- * its -32 * scale * sum terms added by vpdpwssd (for one row, jsum apart) */
-AI void q6_k_block(const uint8_t *blk, const uint8_t *next, long b, const acts_t *A, long m0,
-                   const int R, __m512 *f) {
+/* bit e of each byte of hb, at bit 2 (Q3_K's third bit); the byte's other bits zero */
+AI __m512i third_bit(__m512i hb, const int e) {
+    __m512i moved = e < 2 ? _mm512_slli_epi16(hb, 2 - e) : _mm512_srli_epi16(hb, e - 2);
+    return _mm512_and_si512(moved, _mm512_set1_epi8(0x4)); /* bit 2 of each byte: its own */
+}
+
+/* Q6_K and Q3_K (three = 0, 1): 16 sub-blocks of 16 values, signed scales, values q - 32
+ * (q - 4): the integer sum is isum - 32 * jsum (4 * jsum; jsum: the scales times the rows'
+ * sums per 16 values), formed as one sum, its -32 (-4) * scale * sum terms added by
+ * vpdpwssd (for one row, jsum apart) */
+AI void k16_block(const int three, const uint8_t *blk, const uint8_t *next, long b,
+                  const acts_t *A, long m0, const int R, __m512 *f) {
     const __m512i m33 = _mm512_set1_epi8(0x33), mcc = _mm512_set1_epi8((char)0xcc);
+    const int shift = three ? 2 : 5; /* the offset, 4 or 32, as a shift */
     __m512i isum[GROUP], jsum = _mm512_setzero_si512();
     for (int r = 0; r < R; ++r) isum[r] = _mm512_setzero_si512();
     for (int p = 0; p < 8; ++p) {
@@ -183,9 +191,20 @@ AI void q6_k_block(const uint8_t *blk, const uint8_t *next, long b, const acts_t
         __m512i pair = _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i *)(blk + 32 + 32 * p)));
         for (int h = 0; h < 2; ++h) {
             const int j = 2 * p + h;
-            if (next) fetch_part(next, 3360, j, 16);
+            if (next) fetch_part(next, three ? 1824 : 3360, j, 16);
             __m512i sc = h ? _mm512_srai_epi32(pair, 16)
                            : _mm512_srai_epi32(_mm512_slli_epi32(pair, 16), 16);
+            if (three) { /* the low 2 bits at 2e; the third bits: group j / 2, bit 4h + e */
+                __m512i v = _mm512_loadu_si512((const void *)(blk + 288 + 64 * j));
+                __m512i hb = _mm512_loadu_si512((const void *)(blk + 1312 + 64 * p));
+                __m512i w[4];
+                for (int e = 0; e < 4; ++e)
+                    w[e] = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(v, 2 * e),
+                                                            _mm512_set1_epi8(3)),
+                                           third_bit(hb, 4 * h + e));
+                dots(w, 4, A->q + m0 * A->K + 256 * b + 16 * j, A->K, R, &sc, isum);
+                continue;
+            }
             __m512i v0 = _mm512_loadu_si512((const void *)(blk + 288 + 128 * j));
             __m512i v1 = _mm512_loadu_si512((const void *)(blk + 288 + 128 * j + 64));
             __m512i hb = _mm512_loadu_si512((const void *)(blk + 2336 + 64 * j));
@@ -204,14 +223,14 @@ AI void q6_k_block(const uint8_t *blk, const uint8_t *next, long b, const acts_t
             jsum = _mm512_dpwssd_epi32(jsum, pair, four((const int8_t *)s16));
             continue;
         }
-        /* -32 x the scales: |value| <= 4096, an int16 */
-        const __m512i minus32 =
-            _mm512_sub_epi16(_mm512_setzero_si512(), _mm512_slli_epi16(pair, 5));
+        /* -32 (-4) x the scales: |value| <= 4096, an int16 */
+        const __m512i minus =
+            _mm512_sub_epi16(_mm512_setzero_si512(), _mm512_slli_epi16(pair, shift));
         for (int r = 0; r < R; ++r)
-            isum[r] = _mm512_dpwssd_epi32(isum[r], minus32,
+            isum[r] = _mm512_dpwssd_epi32(isum[r], minus,
                                           four((const int8_t *)(s16 + r * (A->K / 16))));
     }
-    if (R == 1) isum[0] = _mm512_sub_epi32(isum[0], _mm512_slli_epi32(jsum, 5));
+    if (R == 1) isum[0] = _mm512_sub_epi32(isum[0], _mm512_slli_epi32(jsum, shift));
     const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)blk));
     for (int r = 0; r < R; ++r) {
         const __m512 s = _mm512_set1_ps(A->s[(m0 + r) * A->nb + b]);
@@ -321,8 +340,8 @@ AI void block_rows(const int type, const uint8_t *blk, const uint8_t *next, long
                    const acts_t *A, long m0, const int R, __m512 *f) {
     if (type == T_Q4_K || type == T_Q5_K)
         q4_k_block(type == T_Q5_K, blk, next, b, A, m0, R, f);
-    else if (type == T_Q6_K)
-        q6_k_block(blk, next, b, A, m0, R, f);
+    else if (type == T_Q6_K || type == T_Q3_K)
+        k16_block(type == T_Q3_K, blk, next, b, A, m0, R, f);
     else if (type == T_IQ4_XS)
         iq4_xs_block(blk, next, b, A, m0, R, f);
     else
@@ -428,6 +447,7 @@ static void panel_rows512(int type, const uint8_t *pk, const acts_t *A, long m0,
     case T_Q5_0: panel_of(T_Q5_0, pk, A, m0, rows, bias, y, ldy, cols); break;
     case T_Q4_0: panel_of(T_Q4_0, pk, A, m0, rows, bias, y, ldy, cols); break;
     case T_IQ4_XS: panel_of(T_IQ4_XS, pk, A, m0, rows, bias, y, ldy, cols); break;
+    case T_Q3_K: panel_of(T_Q3_K, pk, A, m0, rows, bias, y, ldy, cols); break;
     case T_IQ4_NL: panel_of(T_IQ4_NL, pk, A, m0, rows, bias, y, ldy, cols); break;
     default: break; /* understudy_qgemm_parts takes no other type */
     }
