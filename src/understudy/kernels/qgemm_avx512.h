@@ -238,6 +238,39 @@ AI void k16_block(const int three, const uint8_t *blk, const uint8_t *next, long
     }
 }
 
+/* Q2_K: 16 sub-blocks of 16 values, 2-bit codes, 4-bit scales and mins (a pair of
+ * sub-blocks' in one 16-bit word, scale low nibble, min high): isum the scales times the
+ * rows' sub-block products, jsum the mins times the rows' sums per 16 values */
+AI void q2_k_block(const uint8_t *blk, const uint8_t *next, long b, const acts_t *A, long m0,
+                   const int R, __m512 *f) {
+    const __m512i two = _mm512_set1_epi8(3), nibble = _mm512_set1_epi16(0xf);
+    __m512i isum[GROUP], jsum[GROUP];
+    for (int r = 0; r < R; ++r) isum[r] = jsum[r] = _mm512_setzero_si512();
+    for (int p = 0; p < 8; ++p) {
+        /* dword c: sub-blocks 2p (low word) and 2p + 1 (high word) of column c */
+        const __m512i both = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *)(blk + 64 + 32 * p)));
+        const __m512i pair = _mm512_and_si512(both, nibble), mins = _mm512_srli_epi16(both, 4);
+        for (int h = 0; h < 2; ++h) {
+            const int j = 2 * p + h;
+            if (next) fetch_part(next, 1344, j, 16);
+            __m512i sc = h ? _mm512_srli_epi32(pair, 16) : _mm512_and_si512(pair, _mm512_set1_epi32(0xf));
+            __m512i v = _mm512_loadu_si512((const void *)(blk + 320 + 64 * j)), w[4];
+            for (int e = 0; e < 4; ++e) w[e] = _mm512_and_si512(_mm512_srli_epi16(v, 2 * e), two);
+            dots(w, 4, A->q + m0 * A->K + 256 * b + 16 * j, A->K, R, &sc, isum);
+        }
+        const int16_t *s16 = A->s16 + m0 * (A->K / 16) + 16 * b + 2 * p;
+        for (int r = 0; r < R; ++r)
+            jsum[r] = _mm512_dpwssd_epi32(jsum[r], mins, four((const int8_t *)(s16 + r * (A->K / 16))));
+    }
+    const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)blk));
+    const __m512 dmin = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(blk + 32)));
+    for (int r = 0; r < R; ++r) {
+        const __m512 s = _mm512_set1_ps(A->s[(m0 + r) * A->nb + b]);
+        f[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum[r]), _mm512_mul_ps(s, d), f[r]);
+        f[r] = _mm512_fnmadd_ps(_mm512_cvtepi32_ps(jsum[r]), _mm512_mul_ps(s, dmin), f[r]);
+    }
+}
+
 /* IQ4's 16 values + 128 (unsigned for vpdpbusd; KVALUES with the sign bit flipped), in
  * every 128-bit lane: vpshufb's table */
 AI __m512i iq4_table(void) {
@@ -344,6 +377,8 @@ AI void block_rows(const int type, const uint8_t *blk, const uint8_t *next, long
         k16_block(type == T_Q3_K, blk, next, b, A, m0, R, f);
     else if (type == T_IQ4_XS)
         iq4_xs_block(blk, next, b, A, m0, R, f);
+    else if (type == T_Q2_K)
+        q2_k_block(blk, next, b, A, m0, R, f);
     else
         b32_block(type, blk, next, b, A, m0, R, f);
 }
@@ -448,6 +483,7 @@ static void panel_rows512(int type, const uint8_t *pk, const acts_t *A, long m0,
     case T_Q4_0: panel_of(T_Q4_0, pk, A, m0, rows, bias, y, ldy, cols); break;
     case T_IQ4_XS: panel_of(T_IQ4_XS, pk, A, m0, rows, bias, y, ldy, cols); break;
     case T_Q3_K: panel_of(T_Q3_K, pk, A, m0, rows, bias, y, ldy, cols); break;
+    case T_Q2_K: panel_of(T_Q2_K, pk, A, m0, rows, bias, y, ldy, cols); break;
     case T_IQ4_NL: panel_of(T_IQ4_NL, pk, A, m0, rows, bias, y, ldy, cols); break;
     default: break; /* understudy_qgemm_parts takes no other type */
     }
