@@ -32,7 +32,8 @@ from understudy.kernels.build import compile_shared
 T = GGMLQuantizationType
 SCALE_OFFSETS = {
     T.Q4_K: (0, 2), T.Q5_K: (0, 2), T.Q6_K: (208,), T.Q8_0: (0,), T.Q5_0: (0,), T.Q4_0: (0,),
-    T.IQ4_XS: (0,), T.IQ4_NL: (0,), T.Q3_K: (108,), T.Q2_K: (80, 82),
+    T.IQ4_XS: (0,), T.IQ4_NL: (0,), T.Q3_K: (108,), T.Q2_K: (80, 82), T.Q4_1: (0, 2),
+    T.Q5_1: (0, 2),
 }  # fmt: skip
 # name: (type, out features, in features) of the target's matrices
 SHAPES = {
@@ -47,6 +48,8 @@ SHAPES = {
     "iq4nl_gate": (T.IQ4_NL, 8960, 1536),
     "q3k_gate": (T.Q3_K, 8960, 1536),
     "q2k_gate": (T.Q2_K, 8960, 1536),
+    "q41_gate": (T.Q4_1, 8960, 1536),
+    "q51_gate": (T.Q5_1, 8960, 1536),
 }
 STREAM_BYTES = 96e6  # copies of a shape until this much: past a 32 MB last-level cache
 

@@ -233,6 +233,8 @@ static void panel_rows(int type, const uint8_t *pk, const uint8_t *next, const a
     case T_IQ4_XS:
     case T_Q3_K:
     case T_Q2_K:
+    case T_Q4_1:
+    case T_Q5_1:
     case T_IQ4_NL: panel_rows512(type, pk, A, m0, rows, bias, y, ldy, cols); break;
     default: panel_rows_avx2(type, pk, next, A, m0, rows, bias, y, ldy, cols); break;
     }

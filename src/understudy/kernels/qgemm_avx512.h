@@ -322,9 +322,9 @@ AI void iq4_xs_block(const uint8_t *blk, const uint8_t *next, long b, const acts
     }
 }
 
-/* Q8_0 (values stored + 128), IQ4_NL (its table's values + 128), Q5_0 (q, 0..31) and Q4_0
- * (q, 0..15): 32-value blocks, the offset times the rows' sums per block taken off the
- * integer sum */
+/* Q8_0 (values stored + 128), IQ4_NL (its table's values + 128), Q5_0 and Q5_1 (q, 0..31),
+ * Q4_0 and Q4_1 (q, 0..15): 32-value blocks, the offset times the rows' sums per block taken
+ * off the integer sum; Q4_1's and Q5_1's min m times the rows' sum a second float step */
 AI void b32_block(const int type, const uint8_t *blk, const uint8_t *next, long b,
                   const acts_t *A, long m0, const int R, __m512 *f) {
     if (next) fetch_block(next, panel_bytes(type));
@@ -336,11 +336,16 @@ AI void b32_block(const int type, const uint8_t *blk, const uint8_t *next, long 
     } else if (type == T_IQ4_NL) {
         const __m512i table = iq4_table();
         for (int t = 0; t < 4; ++t) iq4_pair(blk + 32, t, table, w + 2 * t);
-    } else if (type == T_Q4_0) {
+    } else if (type == T_Q4_0 || type == T_Q4_1 || type == T_Q5_1) {
+        const uint8_t *lo = blk + LAYOUTS[type].lo;
         for (int t = 0; t < 4; ++t) {
-            __m512i v = _mm512_loadu_si512((const void *)(blk + 32 + 64 * t));
+            __m512i v = _mm512_loadu_si512((const void *)(lo + 64 * t));
             w[2 * t] = _mm512_and_si512(v, low);
             w[2 * t + 1] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
+        }
+        if (type == T_Q5_1) { /* value 4e + i's fifth bit: bit e of its column's byte */
+            const __m512i hb = _mm512_loadu_si512((const void *)(blk + LAYOUTS[type].hi));
+            for (int e = 0; e < 8; ++e) w[e] = _mm512_or_si512(w[e], fifth_bit(hb, e));
         }
     } else {
         for (int t = 0; t < 4; ++t) {
@@ -358,12 +363,16 @@ AI void b32_block(const int type, const uint8_t *blk, const uint8_t *next, long 
     for (int r = 0; r < R; ++r) isum[r] = _mm512_setzero_si512();
     dots(w, 8, A->q + m0 * A->K + 32 * b, A->K, R, NULL, isum);
     const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)blk));
-    const int32_t unit = q8 || type == T_IQ4_NL ? 128 : type == T_Q5_0 ? 16 : 8;
+    const int32_t unit = q8 || type == T_IQ4_NL ? 128 : LAYOUTS[type].offset;
+    const int with_min = type == T_Q4_1 || type == T_Q5_1;
+    const __m512 m = with_min ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(blk + LAYOUTS[type].dm)))
+                              : _mm512_setzero_ps();
     for (int r = 0; r < R; ++r) {
-        const int32_t offset = unit * (int32_t)A->s32[(m0 + r) * (A->K / 32) + b];
-        __m512i t = _mm512_sub_epi32(isum[r], _mm512_set1_epi32(offset));
+        const int32_t sum = A->s32[(m0 + r) * (A->K / 32) + b];
+        __m512i t = _mm512_sub_epi32(isum[r], _mm512_set1_epi32(unit * sum));
         __m512 s = _mm512_set1_ps(A->s[(m0 + r) * A->nb + b]);
         f[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(t), _mm512_mul_ps(s, d), f[r]);
+        if (with_min) f[r] = _mm512_fmadd_ps(_mm512_set1_ps((float)sum), _mm512_mul_ps(s, m), f[r]);
     }
 }
 
@@ -441,7 +450,9 @@ AI void panel_groups(const int type, const uint8_t *pk, const acts_t *A, long m0
 /* 5 .. ROW_TILE rows of one panel of 32-value blocks: groups of 2 .. 4 rows, each walking
  * the panel with its accumulators in registers (the later ones from cache). A 32-value
  * block's float step is a large share of its rows' work: kept in registers, measured faster
- * than panel_groups' one walk */
+ * than panel_groups' one walk. Not Q5_1: its fifth bits make decoding the larger share, and
+ * panel_groups, decoding a block once for up to GROUP rows, measured faster (8 rows: 0.92x
+ * the AVX2 body's time, where walks took 1.21x) */
 AI void panel_walks(const int type, const uint8_t *pk, const acts_t *A, long m0, long rows,
                     const float *bias, float *y, long ldy, long cols) {
     const long groups = (rows + 3) / 4;
@@ -463,7 +474,7 @@ AI void panel_of(const int type, const uint8_t *pk, const acts_t *A, long m0, lo
     case 3: panel_group(type, pk, A, m0, 3, bias, y, ldy, cols); break;
     case 4: panel_group(type, pk, A, m0, 4, bias, y, ldy, cols); break;
     default:
-        if (block_size(type) == 256)
+        if (block_size(type) == 256 || type == T_Q5_1)
             panel_groups(type, pk, A, m0, rows, bias, y, ldy, cols);
         else
             panel_walks(type, pk, A, m0, rows, bias, y, ldy, cols);
@@ -485,6 +496,8 @@ static void panel_rows512(int type, const uint8_t *pk, const acts_t *A, long m0,
     case T_Q3_K: panel_of(T_Q3_K, pk, A, m0, rows, bias, y, ldy, cols); break;
     case T_Q2_K: panel_of(T_Q2_K, pk, A, m0, rows, bias, y, ldy, cols); break;
     case T_IQ4_NL: panel_of(T_IQ4_NL, pk, A, m0, rows, bias, y, ldy, cols); break;
+    case T_Q4_1: panel_of(T_Q4_1, pk, A, m0, rows, bias, y, ldy, cols); break;
+    case T_Q5_1: panel_of(T_Q5_1, pk, A, m0, rows, bias, y, ldy, cols); break;
     default: break; /* understudy_qgemm_parts takes no other type */
     }
 }
