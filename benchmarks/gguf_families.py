@@ -16,6 +16,12 @@ thread count:
 - the two alternate, `--rounds` rounds of each on a file (llama-bench, then ours, with our
   engine loaded once), and the ratio is the median of the rounds' ratios: a shared
   machine's speed drifts from minute to minute, and a round's two figures share minutes;
+- the memory's streaming rate, read just before each side's runs of a round: GB/s of a
+  plain read (an int64 sum on the same threads) of a buffer the file's size. A token of
+  plain decoding streams every weight once, so the rate bounds both engines; the table gives
+  each side's tokens a second times the file's bytes as a share of the rate measured beside
+  it, and the ratio of those shares per round (its median), which a machine whose memory
+  speed moves between minutes leaves less noisy than the ratio of tokens a second;
 - ours, n-gram speculation (method="ngram") on the same prompt, which repeats a short run of
   token ids, and whether its tokens are plain decoding's (they must be).
 
@@ -446,6 +452,25 @@ def llama_bench(bin_dir: Path, path: Path, args: argparse.Namespace) -> dict[str
                 test=row.test, model_type=row.model_type, build=row.build, cpu=row.cpu)  # fmt: skip
 
 
+def streaming_rate(buffer: Any, threads: int, reps: int = 5) -> float:
+    """GB/s of a plain read of `buffer` (a torch int64 tensor, summed on `threads` threads;
+    the median of `reps` reads): the rate this minute's memory streams at, which a decoding
+    step's weight reads cannot beat."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        times = []
+        for _ in range(reps):
+            t0 = time.perf_counter()
+            buffer.sum()
+            times.append(time.perf_counter() - t0)
+    finally:
+        torch.set_num_threads(before)
+    return buffer.numel() * buffer.element_size() / statistics.median(times) / 1e9
+
+
 def prompt_ids(length: int) -> list[int]:
     """`length` token ids: a run of 16 ids in 1000..29999 (fillers in the random files; every
     vocabulary here is larger) repeated, so that the n-gram drafter finds continuations."""
@@ -506,27 +531,44 @@ def measure(job: Job, args: argparse.Namespace) -> dict[str, Any]:
     """llama-bench and our plain decoding in alternate rounds (a shared machine's speed
     drifts between minutes: each round's two figures come from the same minutes), the
     ratio the median of the rounds' ratios; then n-gram speculation."""
+    import torch
+
     family, mix, path = job.family, job.mix, job.path
+    size = path.stat().st_size
     prompt = prompt_ids(args.prompt)
     theirs_rounds: list[dict[str, Any]] = []
+    buffer = [torch.ones(size // 8, dtype=torch.int64)]  # the file's bytes, to stream
+    rates: dict[str, list[float]] = {"llama_bench": [], "ours": []}
 
     def llama() -> None:
         note(f"{family} {mix}: llama-bench, round {len(theirs_rounds) + 1} of {args.rounds}")
+        rates["llama_bench"].append(streaming_rate(buffer[0], args.threads))
         theirs_rounds.append(llama_bench(args.bin, path, args))
+        rates["ours"].append(streaming_rate(buffer[0], args.threads))
 
     plain = ours(path, "none", prompt, args, between=llama, rounds=args.rounds)
+    buffer.clear()
     note(f"{family} {mix}: ours, ngram")
     ngram = ours(path, "ngram", prompt, args)
     tgs = [t.get("tokens_per_s") for t in theirs_rounds]
     ratios = [mine / tg for mine, tg in zip(plain["per_round"], tgs, strict=True) if tg]
+    # each side's share of the streaming rate measured beside it: tokens a second x bytes
+    shares = {
+        "ours": [mine * size / 1e9 / rate for mine, rate in zip(plain["per_round"], rates["ours"], strict=True)],
+        "llama_bench": [tg * size / 1e9 / rate if tg else None
+                        for tg, rate in zip(tgs, rates["llama_bench"], strict=True)],
+    }  # fmt: skip
+    share_ratios = [a / b for a, b in zip(shares["ours"], shares["llama_bench"], strict=True) if b]
     theirs = dict(theirs_rounds[-1], rounds=theirs_rounds)
     if all(tgs):
         theirs["tokens_per_s"] = statistics.median(t for t in tgs if t)
     return dict(
-        family=family, mix=mix, file=str(path), size_bytes=path.stat().st_size,
+        family=family, mix=mix, file=str(path), size_bytes=size,
         shape=asdict(job.shape) if job.shape else None,
         ours_plain=plain, llama_bench=theirs, ours_ngram=ngram,
         ratio=statistics.median(ratios) if len(ratios) == len(tgs) else None, round_ratios=ratios,
+        streaming_gb_s=rates, shares_of_rate=shares,
+        share_ratio=statistics.median(share_ratios) if len(share_ratios) == len(tgs) else None,
         ngram_equals_plain=ngram["token_ids"] == plain["token_ids"],
     )  # fmt: skip
 
@@ -537,17 +579,27 @@ def measure(job: Job, args: argparse.Namespace) -> dict[str, Any]:
 def table(rows: list[dict[str, Any]]) -> str:
     lines = [
         "| family | mix | file size | ours plain tok/s | llama-bench tg tok/s | "
-        "ours / llama.cpp | ours ngram tok/s (tokens/pass) | ngram == plain |",
-        "|---|---|---|---|---|---|---|---|",
+        "ours / llama.cpp | shares of the streaming rate: ours, llama.cpp | their ratio "
+        "| ours ngram tok/s (tokens/pass) | ngram == plain |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
+
+    def times(value: float | None) -> str:
+        return f"{value:.2f}x" if value else "-"
+
+    def share(values: list[float | None]) -> str:
+        known = [v for v in values if v]
+        return f"{statistics.median(known):.0%}" if known else "-"
+
     for r in rows:
         tg = r["llama_bench"].get("tokens_per_s")
-        ratio = f"{r['ratio']:.2f}x" if r["ratio"] else "-"
-        ngram = r["ours_ngram"]
+        ngram, shares = r["ours_ngram"], r["shares_of_rate"]
         lines.append(
             f"| {r['family']} | {r['mix']} | {r['size_bytes'] / 1e9:.2f} GB "
             f"| {r['ours_plain']['tokens_per_s']:.2f} | {f'{tg:.2f}' if tg else 'error'} "
-            f"| {ratio} | {ngram['tokens_per_s']:.2f} ({ngram['tokens_per_pass']:.2f}) "
+            f"| {times(r['ratio'])} | {share(shares['ours'])}, {share(shares['llama_bench'])} "
+            f"| {times(r['share_ratio'])} "
+            f"| {ngram['tokens_per_s']:.2f} ({ngram['tokens_per_pass']:.2f}) "
             f"| {'yes' if r['ngram_equals_plain'] else 'NO'} |"
         )
     for r in rows:  # what did not run from the file's own blocks through the kernels
