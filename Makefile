@@ -22,6 +22,7 @@ demo: setup
 
 test: setup
 	$(PY) -m ruff check src tests
+	$(PY) -m mypy
 	$(PY) -m pytest -q -rs
 
 bench: setup
@@ -34,6 +35,7 @@ head: setup
 lint: setup
 	$(PY) -m ruff check src tests
 	$(PY) -m ruff format --check src tests
+	$(PY) -m mypy
 
 clean:
-	rm -rf $(VENV) build dist src/*.egg-info .pytest_cache .ruff_cache
+	rm -rf $(VENV) build dist src/*.egg-info .pytest_cache .ruff_cache .mypy_cache

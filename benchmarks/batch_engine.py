@@ -57,7 +57,7 @@ def main() -> None:
         engine = Engine.from_pretrained(method=method, max_num_seqs=max(sizes), max_context=1024)
         for n in sizes:
             row = {"method": method, **measure(engine, prompts, params, n)}
-            row["kv_bytes_per_seq"] = kv_bytes_per_seat(engine.batch.seats)
+            row["kv_bytes_per_seq"] = kv_bytes_per_seat(engine.scheduler.seats)
             rows.append(row)
             print(json.dumps(row), flush=True)
     lines = [

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from understudy.policy.adaptive_k import AdaptiveK
+from understudy.policy.costs import Costs, PassCurve
 from understudy.policy.theory import optimal_k
 
 
@@ -19,13 +20,13 @@ def feed(policy: AdaptiveK, alpha: float, rounds: int = 200) -> None:
 
 
 def test_high_acceptance_cheap_draft_uses_every_row():
-    policy = AdaptiveK(k_max=15, cost_ratio=0.02)
+    policy = AdaptiveK(15, Costs(draft_step=0.02))
     feed(policy, alpha=0.95)
     assert policy.choose() == 15
 
 
 def test_expensive_draft_and_poor_acceptance_falls_back_to_plain_and_probes():
-    policy = AdaptiveK(k_max=4, cost_ratio=0.9)
+    policy = AdaptiveK(4, Costs(draft_step=0.9))
     for _ in range(100):
         policy.observe(2, 0)
     choices = [policy.choose() for _ in range(16)]
@@ -36,7 +37,7 @@ def test_choice_matches_theory_for_uniform_acceptance():
     """With a per-position acceptance of exactly alpha, the choice is Leviathan's optimal K
     or a longer K whose theoretical speedup is within NEAR_TIE of the optimum."""
     for alpha, c in [(0.9, 0.3), (0.8, 0.1), (0.6, 0.05), (0.95, 0.02)]:
-        policy = AdaptiveK(k_max=64, cost_ratio=c)
+        policy = AdaptiveK(64, Costs(draft_step=c))
         policy.hits = [alpha * 1e6] * 64
         policy.tries = [1e6] * 64
         policy.seen = [1e6] * 64
@@ -48,7 +49,7 @@ def test_choice_matches_theory_for_uniform_acceptance():
 
 
 def test_estimates_are_per_position():
-    policy = AdaptiveK(k_max=3, cost_ratio=0.1)
+    policy = AdaptiveK(3, Costs(draft_step=0.1))
     for _ in range(300):
         policy.observe(3, 1)  # first guess always kept, second never
     assert policy.hits[0] / policy.tries[0] > 0.95
@@ -59,7 +60,7 @@ def test_estimates_are_per_position():
 def test_unseen_positions_borrow_the_deepest_estimate():
     """K can grow past what was tried: positions never reached take the deepest observed
     position's estimate, not the prior; once observed, their own estimate rules."""
-    policy = AdaptiveK(k_max=15, cost_ratio=0.05)
+    policy = AdaptiveK(15, Costs(draft_step=0.05))
     for _ in range(100):
         policy.observe(3, 3)  # three guesses, always all kept
     assert policy.acceptance(10) == policy.acceptance(2) > 0.99
@@ -79,8 +80,10 @@ def test_a_step_in_the_pass_curve_caps_k_at_the_kernels_row_group():
         + tuple(2.0 + 0.01 * i for i in range(4))
         + tuple(3.0 + 0.01 * i for i in range(8))
     )
-    with_curve = AdaptiveK(15, 0.1, (curve[-1] - 1) / 15, curve)
-    slope_only = AdaptiveK(15, 0.1, (curve[-1] - 1) / 15)
+    slope = (curve[-1] - 1) / 15
+    measured = PassCurve(tuple(range(1, 17)), curve)
+    with_curve = AdaptiveK(15, Costs(draft_step=0.1, row=slope, pass_curve=measured))
+    slope_only = AdaptiveK(15, Costs(draft_step=0.1, row=slope))
     for ak in (with_curve, slope_only):
         for i in range(15):
             ak.hits[i], ak.tries[i], ak.seen[i] = 95.0, 100.0, 100.0

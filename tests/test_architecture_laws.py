@@ -132,10 +132,10 @@ def test_speculative_sampling_has_the_target_law(pair):
 def test_a_wrong_verifier_fails_the_law_test(pair, monkeypatch):
     """Resampling from p instead of the residual fails at the same N; its samples fit the
     mutant's enumerated law (module docstring)."""
-    import understudy.engine.engine as engine_module
+    import understudy.engine.verdict as verdict_module
 
     name, engine, target, mutant = pair
-    monkeypatch.setattr(engine_module, "verify_sampling", resample_from_p_verify)
+    monkeypatch.setattr(verdict_module, "verify_sampling", resample_from_p_verify)
     counts = sampled_counts(engine)
     p = pvalue(counts, target)
     assert p < ALPHA, f"{name}: the wrong verifier was not detected (p = {p:.3f})"

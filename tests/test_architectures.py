@@ -28,7 +28,7 @@ import transformers
 from understudy import Engine, SamplingParams
 from understudy.config import UnderstudyError
 from understudy.models.convert import UnsupportedArchitecture, config_from_hf, convert_state_dict
-from understudy.models.loader import _build
+from understudy.models.loaded import build_model
 from understudy.models.rope import RopeScaling, rope_frequencies
 from understudy.models.runner import Runner
 
@@ -162,7 +162,7 @@ def arch(request, tmp_path_factory) -> tuple[str, transformers.PreTrainedModel, 
 def ours(hf: transformers.PreTrainedModel):
     sd = hf.state_dict()
     cfg = config_from_hf(hf.config, sd)
-    return _build(cfg, convert_state_dict(sd, cfg), torch.device("cpu"))
+    return build_model(cfg, convert_state_dict(sd, cfg), torch.device("cpu"))
 
 
 PROMPT = [5, 17, 33, 8, 61, 42, 9, 77, 12, 50, 3, 88]  # longer than the window

@@ -1,4 +1,4 @@
-"""Batched decoding (engine/batch.py): every answer equals its solo answer, whatever shares
+"""Batched decoding (engine/scheduler.py, engine/round.py): every answer equals its solo answer, whatever shares
 its passes; sampled answers keep the target's law; seats come and go between rounds.
 
 Solo means the same engine serving that one request alone (`engine.generate(prompt)`), and
@@ -18,8 +18,10 @@ from understudy.config import UnderstudyError
 from understudy.engine.outputs import GenerationOutput
 from understudy.engine.seats import kv_bytes_per_seat, make_seats
 from understudy.models.runner import Runner
-from understudy.models.shared_pass import extend_together
-from understudy.policy.batch_plan import BatchCosts, Curve, Wish, choose_cap
+from understudy.models.shared_pass import TreeRows, score_together
+from understudy.policy.batch_plan import BatchCosts, Wish, choose_cap
+from understudy.policy.costs import PassCurve as Curve
+from understudy.verify.token_tree import TokenTree
 
 PROMPTS = [
     "def add(a, b):",
@@ -80,7 +82,7 @@ def test_every_answer_is_its_solo_answer(batched):
     assert [o.text for o in together] == [o.text for o in solo]
     assert [o.stats.finish_reason for o in together] == [o.stats.finish_reason for o in solo]
     assert {o.stats.finish_reason for o in together} >= {"length"}
-    assert len(batched.batch.free) == 4 and not batched.batch.busy  # every seat back
+    assert len(batched.scheduler.free) == 4 and not batched.scheduler.busy  # every seat back
 
 
 def test_greedy_batch_equals_plain_decoding(batched, tiny_pair):
@@ -110,7 +112,7 @@ def test_a_cancelled_sequence_frees_its_seat_and_the_rest_are_unchanged(tiny_pai
     engine = Engine.from_pretrained(target, draft, dtype="float32", max_num_seqs=2)
     params = SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True)
     solo = [engine.generate(p, params).token_ids for p in PROMPTS[:3]]
-    loop = engine.batch
+    loop = engine.scheduler
     seen: list[int] = []
     first = loop.submit(engine.encode(PROMPTS[0]), params, on_token=lambda e: seen.append(1))
     second = loop.submit(engine.encode(PROMPTS[1]), params)
@@ -122,7 +124,7 @@ def test_a_cancelled_sequence_frees_its_seat_and_the_rest_are_unchanged(tiny_pai
     loop.step()  # the cancelled one leaves, the waiting one takes its seat
     assert first.finished.is_set() and first.output is not None
     assert first.output.stats.finish_reason == "cancelled"
-    assert third in loop.running
+    assert third in [r.sequence for r in loop.running]
     loop.run_until_done()
     assert first.output.token_ids == solo[0][: len(first.output.token_ids)]
     assert second.output.token_ids == solo[1] and third.output.token_ids == solo[2]
@@ -147,9 +149,35 @@ def test_shared_pass_rows_equal_solo_rows(tiny_pair):
         expected.append(solo_runner.extend(rows))
     for runner, prompt in zip(seats, prompts, strict=True):
         runner.prefill(prompt, len(prompt) + 50)
-    got = extend_together(seats, fed)
+    got = score_together(seats, fed)
     for a, b in zip(got, expected, strict=True):
         assert torch.equal(a, b)
+
+
+def test_a_tree_shares_a_pass_bitwise(tiny_pair):
+    """A token tree's nodes beside another sequence's chain in one pass: every node's logits
+    are bitwise its tree pass alone, and the kept path's KV is the same afterwards."""
+    target, _ = tiny_pair
+    engine = Engine.from_pretrained(target, method="none", dtype="float32", max_context=256)
+    solo = engine.runner
+    seats = [Runner(solo.model, 256, solo.rows, False, (i + 1) * solo.slots) for i in range(2)]
+    tree = TokenTree.from_drafts(9, torch.tensor([4, 5, 6, 7, 8]), torch.tensor([-1, 0, 0, 1, -1]))
+    offsets = tree.slot_offsets()
+    rows = TreeRows(tree.tokens, tree.depths, offsets, tree.region_mask(offsets))
+    prompts = [torch.tensor([3, 1, 4, 1, 5, 9, 2, 6]), torch.tensor([2, 7, 1, 8])]
+    solo.prefill(prompts[0], 60)
+    expected_tree = solo.tree_pass(rows.tokens, rows.depths, rows.offsets, rows.visible)
+    solo.keep_path(offsets[[0, 1, 2, 4]])
+    expected_next = solo.extend(torch.tensor([11]))
+    solo.prefill(prompts[1], 60)
+    expected_chain = solo.extend(torch.tensor([3, 3]))
+    for runner, prompt in zip(seats, prompts, strict=True):
+        runner.prefill(prompt, 60)
+    got_tree, got_chain = score_together(seats, [rows, torch.tensor([3, 3])])
+    assert torch.equal(got_tree, expected_tree) and torch.equal(got_chain, expected_chain)
+    assert seats[0].length == len(prompts[0]) and seats[1].length == len(prompts[1]) + 2
+    seats[0].keep_path(offsets[[0, 1, 2, 4]])
+    assert torch.equal(score_together(seats[:1], [torch.tensor([11])])[0], expected_next)
 
 
 # -- the sampled law at batch > 1 ---------------------------------------------------------------
@@ -198,9 +226,9 @@ def test_batched_sampling_has_the_target_law(sampling_batch):
 
 def test_a_wrong_verifier_fails_the_batched_law_test(sampling_batch, monkeypatch):
     """Mutation: resampling from p instead of the residual is detected at the same N."""
-    import understudy.engine.engine as engine_module
+    import understudy.engine.verdict as verdict_module
 
-    monkeypatch.setattr(engine_module, "verify_sampling", resample_from_p_verify)
+    monkeypatch.setattr(verdict_module, "verify_sampling", resample_from_p_verify)
     pvalue = batched_goodness_of_fit(sampling_batch, 1500)
     assert pvalue < ALPHA, f"the wrong verifier was not detected (p = {pvalue:.3f})"
 
@@ -223,6 +251,22 @@ def test_the_cap_drafts_while_rows_are_cheap_and_stops_when_they_are_not():
     assert choose_cap(mixed, dear) == 0
 
 
+def test_a_greedy_tree_is_kept_whole_where_it_pays_and_capped_where_rows_are_dear():
+    """A tree of 15 nodes, depth 4: kept whole (None) where its rows are cheap and its rounds
+    have yielded more than a chain's; a chain of its depth where they yielded no more (the
+    same tokens for fewer rows); plain rounds (0) where rows are dear. A sampled tree is
+    never capped, and its nodes count."""
+    cheap = BatchCosts(Curve((1, 256), (0.10, 0.11)), Curve((1, 8), (0.01, 0.011)))
+    dear = BatchCosts(Curve((1, 2, 128), (0.10, 0.2, 12.8)), Curve((1, 8), (0.01, 0.011)))
+    trees = [Wish(4, True, flat, tree_rows=15, tree_tokens=flat(4) + 1.5) for _ in range(4)]
+    assert choose_cap(trees, cheap) is None
+    no_gain = [Wish(4, True, flat, tree_rows=15, tree_tokens=flat(4)) for _ in range(4)]
+    assert choose_cap(no_gain, cheap) == 4
+    assert choose_cap(trees, dear) == 0
+    sampled = Wish(4, False, flat, tree_rows=15, tree_tokens=flat(4))
+    assert sampled.rows(0, whole=True) == 15 and sampled.tokens(0, whole=True) == flat(4)
+
+
 def test_the_drafts_lag_is_a_cost_of_drafting():
     """A draft model that must first be fed what it has not seen (a sequence that just
     joined: its whole prompt) makes the same round's drafting dearer, here too dear."""
@@ -236,14 +280,16 @@ def test_the_drafts_lag_is_a_cost_of_drafting():
     assert choose_cap(long_answer, costs) == 4
     assert long_answer[3].first_rows(4) == pytest.approx(1 + 599 * flat(4) / 4000)
     assert costs.draft_seconds([2, 1, 0], [3.0, 5.0, 900.0]) == pytest.approx(
-        costs.draft(8) + costs.draft(1)  # the first pass: 3 + 5 rows; then one row
+        costs.draft.seconds_at(8)
+        + costs.draft.seconds_at(1)  # the first pass: 3 + 5 rows; then one
     )
 
 
 def test_the_curve_interpolates_and_extrapolates():
     curve = Curve((1, 4, 8), (1.0, 1.3, 2.1))
-    assert curve(1) == 1.0 and curve(8) == pytest.approx(2.1)
-    assert curve(6) == pytest.approx(1.7) and curve(16) == pytest.approx(3.7)
+    assert curve.seconds_at(1) == 1.0 and curve.seconds_at(8) == pytest.approx(2.1)
+    assert curve.seconds_at(6) == pytest.approx(1.7) and curve.seconds_at(16) == pytest.approx(3.7)
+    assert curve.ratios == pytest.approx((1.0, 1.1, 1.2, 1.3, 1.5, 1.7, 1.9, 2.1))
 
 
 def test_seats_and_their_memory(tiny_pair):
@@ -252,7 +298,7 @@ def test_seats_and_their_memory(tiny_pair):
     cfg = engine.target.model.cfg
     per_slot = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * 4  # float32 k and v
     expected = per_slot * engine.runner.slots * 2  # target and its same-shaped draft
-    assert kv_bytes_per_seat(engine.batch.seats) == expected
+    assert kv_bytes_per_seat(engine.scheduler.seats) == expected
     assert engine.target.model.cache_slots == 3 * engine.runner.slots
     with pytest.raises(UnderstudyError, match="max_num_seqs"):
         make_seats(engine.runner, None, 0)
@@ -273,9 +319,9 @@ def test_bad_batches_are_refused_before_anything_runs(tiny_pair):
         engine.generate(["a", "b"], [SamplingParams()] * 3)
     with pytest.raises(UnderstudyError, match="on_token"):
         engine.generate(["a", "b"], on_token=print)
-    with pytest.raises(UnderstudyError, match="does not run in a batch"):
-        Engine.from_pretrained(target, draft, method="hybrid", dtype="float32", max_num_seqs=2)
-    assert not engine.batch.busy
+    with pytest.raises(UnderstudyError, match="list of prompts"):
+        engine.generate("a", [SamplingParams()])
+    assert not engine.scheduler.busy
 
 
 def test_streaming_per_sequence_gives_each_its_own_tokens(tiny_pair):
@@ -297,4 +343,4 @@ def test_streaming_per_sequence_gives_each_its_own_tokens(tiny_pair):
     stream = engine.stream_batch(prompts, params)
     next(stream)
     stream.close()
-    assert not engine.batch.busy and len(engine.batch.free) == 2
+    assert not engine.scheduler.busy and len(engine.scheduler.free) == 2

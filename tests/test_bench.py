@@ -16,7 +16,7 @@ from understudy.bench.summary import implied_alpha
 from understudy.cli.bench import INTERRUPTED_EXIT_CODE, bench
 from understudy.config import UnderstudyError
 from understudy.drafters import DRAFTERS
-from understudy.engine.builder import DEFAULT_CPU_DRAFT_QUANTIZATION
+from understudy.engine.draft_setup import DEFAULT_CPU_DRAFT_QUANTIZATION
 from understudy.policy.theory import expected_tokens_per_round
 
 TWO_PROMPTS = [

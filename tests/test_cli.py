@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from typing import get_args
 
 import pytest
 
@@ -114,7 +115,8 @@ def test_drafter_options_pass_through(tiny_pair):
     "args, message",
     [
         (["-k", "0"], "num_speculative_tokens"),
-        (["--method", "telepathy"], "unknown method"),
+        (["--method", "telepathy"], "Invalid value for '--method'"),
+        (["--dtype", "float8"], "Invalid value for '--dtype'"),
         (["--temperature", "-1"], "temperature"),
         (["--top-p", "0"], "top_p"),
         (["--target", "no-such-model"], "no-such-model"),
@@ -127,7 +129,52 @@ def test_bad_input_is_one_clear_line(args, message):
     assert run.stdout == ""
 
 
+def test_serve_refuses_a_mode_it_does_not_have_before_loading_anything():
+    run = cli("serve", "--log-level", "loud", timeout=120)
+    assert run.returncode == 2
+    assert "Invalid value for '--log-level'" in run.stderr and "Traceback" not in run.stderr
+
+
+def test_the_typed_choices_are_the_ones_their_owners_take():
+    """config's Literal types list exactly the values the engine, the loader and the drafters
+    validate against: the CLI's choices neither refuse a valid value nor pass a wrong one."""
+    from understudy.config import DType, Method, Quantization, TreeMode
+    from understudy.drafters.calibration import TREE_MODES
+    from understudy.engine.builder import METHODS
+    from understudy.models.loader import DTYPES, QUANTIZATIONS
+
+    assert sorted(get_args(Method)) == sorted(METHODS)
+    assert sorted(get_args(DType)) == sorted(("auto", *DTYPES))
+    assert sorted(get_args(Quantization)) == sorted(QUANTIZATIONS)
+    assert sorted(get_args(TreeMode)) == sorted(TREE_MODES)
+
+
 def test_subcommands_have_help():
     for sub in ("generate", "simulate", "serve", "bench"):
         run = cli(sub, "--help", timeout=120)
         assert run.returncode == 0, (sub, run.stderr)
+
+
+def test_simulate_help_says_measure_is_slow():
+    run = cli("simulate", "--help", timeout=120)
+    assert run.returncode == 0, run.stderr
+    for option in ("--row-cost", "--pass-curve", "--measure", "SLOW"):
+        assert option in run.stdout
+
+
+@pytest.mark.e2e
+def test_simulate_measure_reads_the_default_engines_costs():
+    """--measure builds the default engine and predicts with the costs it measured: its c and
+    its pass curve (flat where its passes are padded to one shape)."""
+    run = cli("simulate", "--alpha", "0.95", "-k", "4", "--measure", "--json", timeout=1200)
+    assert run.returncode == 0, run.stderr
+    data = json.loads(run.stdout)  # the engine's loading wrote nothing else to stdout
+    passes = data["pass_cost"]
+    assert passes["source"] == "measured on the default engine"
+    assert 0.0 < data["c"] <= 1.0
+    curve = passes["pass_curve"]
+    assert curve == [] or (curve[0] == 1.0 and curve == sorted(curve))
+    t5 = curve[4] if len(curve) >= 5 else 1.0 + 4 * passes["row_cost"]  # a pass of K + 1 rows
+    e = (1 - 0.95**5) / 0.05
+    assert data["round_cost"] == pytest.approx(4 * data["c"] + t5)
+    assert data["speedup"] == pytest.approx(e / (4 * data["c"] + t5))

@@ -118,13 +118,13 @@ class DraftRowsRaw(LogitsProcessor):
 
 
 def mutate(monkeypatch) -> None:
-    import understudy.engine.engine as engine_module
+    import understudy.engine.start as start_module
 
     def wrong(*args, **kwargs):
         inner = build_processor(*args, **kwargs)
         return None if inner is None else DraftRowsRaw(inner)
 
-    monkeypatch.setattr(engine_module, "build_processor", wrong)
+    monkeypatch.setattr(start_module, "build_processor", wrong)
 
 
 @pytest.fixture(scope="module")
@@ -271,9 +271,9 @@ def test_a_wrong_verifier_fails_the_processed_law_test(disagreeing, monkeypatch)
     """Mutation: resampling a rejected position from p' instead of the residual is detected
     at the same N. (The other wrong wiring, drafts checked against the raw target, is caught
     sooner: the grammar's matcher refuses the first forbidden token it is asked to commit.)"""
-    import understudy.engine.engine as engine_module
+    import understudy.engine.verdict as verdict_module
     from stats_helpers import ALPHA, resample_from_p_verify
 
-    monkeypatch.setattr(engine_module, "verify_sampling", resample_from_p_verify)
+    monkeypatch.setattr(verdict_module, "verify_sampling", resample_from_p_verify)
     pvalue = processed_goodness_of_fit(disagreeing, 3000)
     assert pvalue < ALPHA, f"the wrong wiring was not detected (p = {pvalue:.3f})"

@@ -109,8 +109,7 @@ def test_auto_path_confidence_is_at_least_what_a_guess_costs(tiny_pair, c, v, au
     target, draft = tiny_pair
     drafter = Engine.from_pretrained(target=target, draft=draft, dtype="float32").drafter
     drafter.path_confidence = None  # "auto", as the builder hands it over
-    drafter.use_costs(Costs(draft_step=c, row=v))
-    drafter.settle_confidence(automatic_k)
+    drafter.settle(Costs(draft_step=c, row=v), automatic_k)
     assert drafter.path_confidence == pytest.approx(settled)
 
 
@@ -119,20 +118,19 @@ def test_each_guess_pays_for_its_own_row_where_the_pass_curve_is_known(tiny_pair
     adds to the pass on the curve's lower convex hull: small inside the kernel's row group,
     the step at its edge spread over the rows it buys; past the curve, the settled c + v.
     Without automatic K, none."""
-    from understudy.policy.costs import Costs
+    from understudy.policy.costs import Costs, PassCurve
 
     target, draft = tiny_pair
     drafter = Engine.from_pretrained(target=target, draft=draft, dtype="float32").drafter
     curve = (1.0, 1.02, 1.03, 1.05, 2.0, 2.01)  # t(n rows) / t(1), flat to 4 rows, then a step
-    costs = Costs(draft_step=0.25, row=0.2, pass_curve=curve)
+    costs = Costs(draft_step=0.25, row=0.2, pass_curve=PassCurve(tuple(range(1, 7)), curve))
     assert costs.row_steps() == pytest.approx((0.015, 0.015, 0.02, 0.48, 0.48))
     drafter.path_confidence = None
-    drafter.use_costs(costs)
-    drafter.settle_confidence(True)
+    drafter.settle(costs, True)
     floors = [drafter.path_doubt(g) for g in range(7)]
     assert floors == pytest.approx([0.265, 0.265, 0.27, 0.73, 0.73, 0.45, 0.45])
     drafter.path_confidence = None
-    drafter.settle_confidence(False)
+    drafter.settle(costs, False)
     assert [drafter.path_doubt(g) for g in range(3)] == [0.0, 0.0, 0.0]
 
 
@@ -141,14 +139,15 @@ def test_the_measured_pass_curve_starts_at_one_and_never_falls(tiny_pair):
     count to 8, every fourth beyond, linear between); a timing below a smaller pass's is
     noise and is raised to it, so no row reads as cheaper than none (row_steps >= 0) and
     the slope v is the curve's own."""
-    from understudy.policy.costs import curve_rows, row_cost
+    from understudy.measure.passes import curve_rows
+    from understudy.policy.costs import row_cost
 
     assert curve_rows(16) == [1, 2, 3, 4, 5, 6, 7, 8, 12, 16]  # timed; linear in between
     assert curve_rows(10) == [1, 2, 3, 4, 5, 6, 7, 8, 10] and curve_rows(2) == [1, 2]
 
     target, draft = tiny_pair
     engine = Engine.from_pretrained(target=target, draft=draft, dtype="float32")
-    curve = engine.costs.pass_curve
+    curve = engine.costs.pass_curve.ratios
     assert len(curve) == engine.runner.rows and curve[0] == 1.0
     assert all(later >= earlier for earlier, later in zip(curve, curve[1:], strict=False))
     assert all(step >= 0.0 for step in engine.costs.row_steps())
@@ -303,11 +302,15 @@ def test_a_busy_spell_while_the_curve_is_timed_slows_no_row_count(tiny_pair, mon
     count instead, the spell would take every timing of a few counts (ratios of ~50 here)."""
     import time as time_module
 
-    from understudy.policy import costs
+    from understudy.measure import passes as costs
 
     target, draft = tiny_pair
     runner = Engine.from_pretrained(target=target, draft=draft, dtype="float32").runner
-    quiet = costs.pass_curve(runner)
+
+    def curve() -> tuple[float, ...]:
+        return costs.pass_curve([runner], costs.curve_rows(runner.rows), costs.CURVE_SWEEPS).ratios
+
+    quiet = curve()
     extend, calls = runner.extend, []
 
     def busy_extend(tokens, *args, **kwargs):
@@ -317,7 +320,7 @@ def test_a_busy_spell_while_the_curve_is_timed_slows_no_row_count(tiny_pair, mon
         return extend(tokens, *args, **kwargs)
 
     monkeypatch.setattr(runner, "extend", busy_extend)
-    busy = costs.pass_curve(runner)
+    busy = curve()
     assert len(busy) == len(quiet) == runner.rows
     assert max(busy) < 5.0, busy  # the spell's timings are never a count's best
 
@@ -329,12 +332,12 @@ def test_a_busy_spell_while_c_is_timed_slows_neither_of_its_figures(tiny_pair, m
     every timing of one figure (c read 0.26-0.47 over builds of the default pair)."""
     import time as time_module
 
-    from understudy.policy import costs
+    from understudy.measure import passes as costs
 
     target, draft = tiny_pair
     engine = Engine.from_pretrained(target=target, draft=draft, dtype="float32")
-    runner, drafter = engine.runner, engine.drafter
-    quiet_pass, quiet_step = costs.one_row_and_step_seconds(runner, drafter)
+    runner, step = engine.runner, engine.drafter.timed_step()
+    quiet_pass, quiet_step = costs.one_row_and_step_seconds(runner, step)
     extend, calls = runner.extend, []
 
     def busy_extend(tokens, *args, **kwargs):
@@ -344,7 +347,7 @@ def test_a_busy_spell_while_c_is_timed_slows_neither_of_its_figures(tiny_pair, m
         return extend(tokens, *args, **kwargs)
 
     monkeypatch.setattr(runner, "extend", busy_extend)
-    busy_pass, busy_step = costs.one_row_and_step_seconds(runner, drafter)
+    busy_pass, busy_step = costs.one_row_and_step_seconds(runner, step)
     assert busy_pass < 0.05 and quiet_pass < 0.05, (busy_pass, quiet_pass)
     assert len(calls) == 2 * costs.STEP_SWEEPS
     assert busy_step > 0.0 and quiet_step > 0.0

@@ -104,10 +104,10 @@ def test_sampled_output_has_the_target_law(limited: Engine, warp: str) -> None:
 
 def test_a_wrong_verifier_fails_the_same_test(limited: Engine, monkeypatch) -> None:
     """Mutation check: resampling a rejected guess from p, not the residual, is caught."""
-    import understudy.engine.engine as engine_module
+    import understudy.engine.verdict as verdict_module
     from stats_helpers import resample_from_p_verify
 
-    monkeypatch.setattr(engine_module, "verify_sampling", resample_from_p_verify)
+    monkeypatch.setattr(verdict_module, "verify_sampling", resample_from_p_verify)
     params = SamplingParams(ignore_eos=True, **WARPS["top_k"])
     pvalue = goodness_of_fit(limited, [11, 42, 7], params, samples=1500)
     assert pvalue < P_THRESHOLD, f"the wrong verifier was not detected (p = {pvalue:.3f})"

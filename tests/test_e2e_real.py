@@ -65,4 +65,4 @@ def test_default_pair_batched_answers_are_plain_answers(pair):
     together = batched.generate(PROMPTS, params)
     for prompt, out in zip(PROMPTS, together, strict=True):
         assert out.token_ids == plain.generate(prompt, params).token_ids
-    assert batched.batch.rows_last_pass >= 1 and not batched.batch.busy
+    assert batched.scheduler.rows_last_pass >= 1 and not batched.scheduler.busy

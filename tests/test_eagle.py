@@ -226,6 +226,13 @@ def test_missing_head_says_how_to_train_one(tiny_pair, tmp_path, monkeypatch):
         Engine.from_pretrained(target=target, method="eagle", draft=str(tmp_path), dtype="float32")
 
 
+def test_a_head_option_that_names_no_folder_is_refused(tiny_pair):
+    target, _ = tiny_pair
+    for head in (5, True, ["a"]):  # e.g. --option head=5 parses to an int
+        with pytest.raises(UnderstudyError, match="head must be a folder"):
+            Engine.from_pretrained(target=target, method="eagle", dtype="float32", head=head)
+
+
 def test_head_of_another_target_is_refused(trained, tmp_path):
     target, folder, _ = trained
     other = tmp_path / "other"
@@ -297,10 +304,10 @@ def test_sampling_law_with_doubt(sampling_head):
 def test_wrong_verifier_fails_the_same_test(sampling_eagle, monkeypatch):
     """Mutation check: resampling from p instead of the residual max(0, p - q) after a
     rejected guess of the head is detected by the same test."""
-    import understudy.engine.engine as engine_module
+    import understudy.engine.verdict as verdict_module
     from stats_helpers import resample_from_p_verify
 
-    monkeypatch.setattr(engine_module, "verify_sampling", resample_from_p_verify)
+    monkeypatch.setattr(verdict_module, "verify_sampling", resample_from_p_verify)
     params = SamplingParams(ignore_eos=True, **WARPS["top_k"])
     pvalue = goodness_of_fit(sampling_eagle, [11, 42, 7], params, samples=1500)
     assert pvalue < P_THRESHOLD, f"the wrong verifier was not detected (p = {pvalue:.3f})"
@@ -316,10 +323,10 @@ def test_tree_sampling_matches_target_law(sampling_eagle_tree, warp):
 
 def test_wrong_tree_rule_fails_the_same_test(sampling_eagle_tree, monkeypatch):
     """Mutation: the sibling rule that never takes rejected siblings out of p is detected."""
-    import understudy.engine.engine as engine_module
+    import understudy.engine.verdict as verdict_module
     from stats_helpers import wrong_sibling_rule
 
-    monkeypatch.setattr(engine_module, "verify_tree_sampling", wrong_sibling_rule)
+    monkeypatch.setattr(verdict_module, "verify_tree_sampling", wrong_sibling_rule)
     params = SamplingParams(ignore_eos=True, **WARPS["top_k"])
     pvalue = goodness_of_fit(sampling_eagle_tree, [11, 42, 7], params, samples=1500)
     assert pvalue < P_THRESHOLD, f"the wrong sibling rule was not detected (p = {pvalue:.3f})"

@@ -260,10 +260,10 @@ def test_speculative_sampling_matches_target_law(sampling_engine, warp):
 
 def test_wrong_verifier_fails_the_same_test(sampling_engine, monkeypatch):
     """Mutation check: resampling from p instead of the residual max(0, p - q) is detected."""
-    import understudy.engine.engine as engine_module
+    import understudy.engine.verdict as verdict_module
     from stats_helpers import resample_from_p_verify
 
-    monkeypatch.setattr(engine_module, "verify_sampling", resample_from_p_verify)
+    monkeypatch.setattr(verdict_module, "verify_sampling", resample_from_p_verify)
     params = SamplingParams(ignore_eos=True, **WARPS["top_k"])
     pvalue = goodness_of_fit(sampling_engine, [11, 42, 7], params, samples=1500)
     assert pvalue < P_THRESHOLD, f"the wrong verifier was not detected (p = {pvalue:.3f})"

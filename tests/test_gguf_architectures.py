@@ -3,8 +3,9 @@
 Per GGUF architecture, a tiny random model made with transformers' config class
 (test_architectures.make_hf) is written as llama.cpp's converter writes it
 (gguf_helpers.write_gguf_from_hf: float32 matrices, llama's q/k rows permuted, Gemma's norms
-as 1 + w), with only the fields transformers' GGUF reader maps, so the model transformers
-reads back is the one written. Loaded from the file (dense, float32):
+as 1 + w, Llama 3's rope scaling as the divisors rope_freqs), with the fields transformers'
+GGUF reader maps and those llama.cpp adds that models/gguf_config.py reads. Loaded from the
+file (dense, float32):
 
 1. logits == the transformers model's forward (relative tolerance 1e-5);
 2. greedy method="ngram" == plain decoding, bit for bit.
@@ -38,7 +39,7 @@ from understudy.models.runner import Runner
 DEFAULT_ROPE = dict(rope_type="default", rope_theta=500000.0)
 # GGUF architecture -> (test_architectures entry, overrides: what a GGUF file can carry)
 CASES = {
-    "llama": ("llama3", dict(rope_parameters=DEFAULT_ROPE)),
+    "llama": ("llama3", {}),  # its llama3 rope scaling as the file's rope_freqs
     "qwen3": ("qwen3", dict(head_dim=128)),  # the reader takes Qwen3's head_dim as 128
     "phi3": ("phi4-mini-partial", dict(rope_parameters=DEFAULT_ROPE)),
     "gemma2": (
@@ -93,7 +94,7 @@ def test_greedy_speculative_equals_plain(written):
 
 @pytest.mark.skipif(not qgemm.available(), reason="qgemm cannot be built here")
 def test_llama_from_its_blocks(tmp_path):
-    hf = make_hf("llama3", rope_parameters=DEFAULT_ROPE, tie_word_embeddings=False)
+    hf = make_hf("llama3", tie_word_embeddings=False)
     path = write_gguf_from_hf(hf, tmp_path / "llama.gguf", "llama", GGMLQuantizationType.Q8_0)
     blocks = load_model(str(path), quantization="gguf")
     dense = load_model(str(path), dtype="float32", quantization="none")

@@ -1,8 +1,10 @@
-"""Models run from a GGUF file's own blocks (quantization="gguf", models/gguf_weights.py).
+"""Models run from a GGUF file's own blocks (quantization="auto" on a CPU, and "gguf",
+models/gguf_weights.py).
 
-A tiny random Qwen2 GGUF is written in the test with gguf's GGUFWriter (blocks of every
-kernel type, one float16 part). The dense path (transformers' GGUF loader, dequantized) is
-the reference: the same weights bitwise, logits within the activation quantization's error.
+Tiny random Qwen2 GGUFs are written in the test with gguf's GGUFWriter (blocks of every
+kernel type; one float32 part, which "auto" runs dequantized and "gguf" refuses). The dense
+path (transformers' GGUF loader, dequantized) is the reference: the same weights bitwise,
+logits within the activation quantization's error.
 """
 
 from __future__ import annotations
@@ -11,8 +13,9 @@ from pathlib import Path
 
 import pytest
 import torch
+from gguf import GGMLQuantizationType as T
 
-from gguf_helpers import write_tiny_qwen2_gguf
+from gguf_helpers import MIXED_LAYER_TYPES, MORE_LAYER_TYPES, write_tiny_qwen2_gguf
 from understudy.config import UnderstudyError
 from understudy.kernels import qgemm
 from understudy.kernels.qgemm import QuantLinear
@@ -26,8 +29,10 @@ pytestmark = pytest.mark.skipif(not qgemm.available(), reason="qgemm cannot be b
 def tiny_gguf(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, str]:
     """(target, draft): the draft another seed, with its head tied to its embedding."""
     root = tmp_path_factory.mktemp("gguf")
-    target = write_tiny_qwen2_gguf(root / "target.gguf", seed=0)
-    draft = write_tiny_qwen2_gguf(root / "draft.gguf", seed=1, tied=True)
+    target = write_tiny_qwen2_gguf(root / "target.gguf", seed=0, layer_types=MIXED_LAYER_TYPES)
+    draft = write_tiny_qwen2_gguf(
+        root / "draft.gguf", seed=1, tied=True, layer_types=MIXED_LAYER_TYPES
+    )
     return str(target), str(draft)
 
 
@@ -35,7 +40,7 @@ def tiny_gguf(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, str]:
 def pair(tiny_gguf: tuple[str, str]) -> tuple[LoadedModel, LoadedModel]:
     """The tiny target from its blocks, and dense (float32, via transformers)."""
     return (
-        load_model(tiny_gguf[0], quantization="gguf"),
+        load_model(tiny_gguf[0], quantization="auto"),
         load_model(tiny_gguf[0], dtype="float32", quantization="none"),
     )
 
@@ -43,7 +48,33 @@ def pair(tiny_gguf: tuple[str, str]) -> tuple[LoadedModel, LoadedModel]:
 def test_weights_are_the_dense_conversion_bitwise(pair: tuple[LoadedModel, LoadedModel]) -> None:
     """Every parameter of the block model, dequantized, is the dense path's bitwise: names,
     fusing and row order map as transformers' GGUF loader maps them."""
-    blocks, dense = pair
+    assert_dense_conversion_bitwise(*pair)
+
+
+def test_every_kernel_type_runs_from_its_blocks(tmp_path: Path) -> None:
+    """A file of the other kernel types (Q5_K, Q3_K, Q2_K, IQ4_XS, IQ4_NL, Q4_1, Q5_1, F16,
+    BF16): every linear runs from the file's blocks (no part dequantized at load), its
+    weights are the dense conversion's bitwise, and greedy speculative output is plain
+    decoding's."""
+    from understudy import Engine, SamplingParams
+
+    path = str(write_tiny_qwen2_gguf(tmp_path / "more.gguf", seed=2, layer_types=MORE_LAYER_TYPES))
+    blocks = load_model(path, quantization="gguf")
+    assert_dense_conversion_bitwise(blocks, load_model(path, dtype="float32", quantization="none"))
+    linears = [m for m in blocks.model.modules() if isinstance(m, QuantLinear)]
+    kinds = {p.kind for m in linears for p in m.parts}
+    assert kinds >= {k for pair in MORE_LAYER_TYPES.values() for k in pair}
+    assert all(len(m.dense) == 0 for m in linears)
+    options = dict(target=path, quantization="gguf", max_context=256)
+    params = SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True)
+    prompt = [5, 6, 7, 8, 5, 6, 7, 8, 5, 6]
+    expected = Engine.from_pretrained(method="none", **options).generate(prompt, params)
+    spec = Engine.from_pretrained(method="ngram", num_speculative_tokens=4, **options)
+    out = spec.generate(prompt, params)
+    assert out.token_ids == expected.token_ids and out.stats.drafted > 0
+
+
+def assert_dense_conversion_bitwise(blocks: LoadedModel, dense: LoadedModel) -> None:
     assert blocks.from_blocks and not dense.from_blocks
     assert isinstance(blocks.model.lm_head, QuantLinear)
     dense_params = dict(dense.model.named_parameters())
@@ -90,7 +121,7 @@ def test_greedy_speculative_equals_plain(tiny_gguf: tuple[str, str], method: str
     from understudy import Engine, SamplingParams
 
     target, draft = tiny_gguf
-    options = dict(target=target, quantization="gguf", max_context=256)
+    options = dict(target=target, quantization="auto", max_context=256)
     plain = Engine.from_pretrained(method="none", **options)
     spec = Engine.from_pretrained(
         method=method, draft=draft if method == "draft" else None, num_speculative_tokens=4,
@@ -106,6 +137,30 @@ def test_greedy_speculative_equals_plain(tiny_gguf: tuple[str, str], method: str
     assert out.stats.drafted > 0
 
 
+def test_a_type_without_a_kernel_runs_dequantized_or_is_refused(tmp_path: Path) -> None:
+    """A matrix of a type qgemm lacks (TQ1_0) runs dequantized under "auto", which says so
+    once, and "gguf" refuses the file naming the tensor and its type."""
+    from gguf_helpers import KERNEL_LAYER_TYPES
+
+    path = write_tiny_qwen2_gguf(
+        tmp_path / "tq.gguf", layer_types={**KERNEL_LAYER_TYPES, "attn_k": T.TQ1_0}
+    )
+    with pytest.raises(UnderstudyError, match=r"blk\.0\.attn_k\.weight: TQ1_0"):
+        load_model(str(path), quantization="gguf")
+    from understudy import Engine, SamplingParams
+
+    assert load_model(str(path)).from_blocks
+    plain = Engine.from_pretrained(method="none", target=str(path), max_context=256)
+    spec = Engine.from_pretrained(
+        method="ngram", target=str(path), max_context=256, num_speculative_tokens=3
+    )
+    assert all(layer.fused is None for layer in plain.target.model.layers)
+    prompt = [3, 5, 7, 3, 5, 7, 3, 5]
+    expected = plain.generate(prompt, SamplingParams(max_tokens=24, temperature=0)).token_ids
+    got = spec.generate(prompt, SamplingParams(max_tokens=24, temperature=0)).token_ids
+    assert got == expected
+
+
 def test_quantization_is_chosen_and_refused_by_name(
     tiny_gguf: tuple[str, str], tiny_pair: tuple[str, str]
 ) -> None:
@@ -118,11 +173,16 @@ def test_quantization_is_chosen_and_refused_by_name(
         load_model(tiny_pair[0], quantization="gguf")
     with pytest.raises(UnderstudyError, match="float32, not bfloat16"):
         load_model(target, dtype="bfloat16", quantization="gguf")
+    with pytest.raises(
+        UnderstudyError, match="projection has a F32 part, which qgemm has no kernel for"
+    ) as err:
+        load_model(target, quantization="gguf")  # a float32 part: no kernel, dequantized
+    assert "cannot be used" in str(err.value) and "\n" not in str(err.value)
     with pytest.raises(UnderstudyError, match="unknown quantization 'q3'"):
         load_model(target, quantization="q3")
     with pytest.raises(UnderstudyError, match="draft runs from its GGUF blocks"):
         Engine.from_pretrained(
-            target=target, draft=draft, quantization="gguf", draft_quantization="int4",
+            target=target, draft=draft, quantization="auto", draft_quantization="int4",
             num_speculative_tokens=2,
         )  # fmt: skip
     with pytest.raises(UnderstudyError, match="q4_0' requantizes a draft model's GGUF blocks"):
@@ -142,7 +202,7 @@ def test_a_draft_requantized_to_q4_0_keeps_plain_decodings_output(
     from understudy import Engine, SamplingParams
 
     target, draft = tiny_gguf
-    options = dict(target=target, draft=draft, quantization="gguf", max_context=256)
+    options = dict(target=target, draft=draft, quantization="auto", max_context=256)
     kept = Engine.from_pretrained(method="draft", draft_quantization="none", **options)
     requantized = Engine.from_pretrained(method="draft", draft_quantization="q4_0", **options)
 
@@ -152,7 +212,7 @@ def test_a_draft_requantized_to_q4_0_keeps_plain_decodings_output(
 
     assert T.Q5_0 in kinds(kept) and T.Q4_0 not in kinds(kept)
     assert kinds(requantized) == (kinds(kept) - {T.Q5_0}) | {T.Q4_0}
-    plain = Engine.from_pretrained(method="none", target=target, quantization="gguf")
+    plain = Engine.from_pretrained(method="none", target=target, quantization="auto")
     params = SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True)
     prompt = [5, 6, 7, 8, 5, 6, 7, 8, 5, 6]
     out = requantized.generate(prompt, params)
@@ -186,13 +246,16 @@ def test_real_draft_from_blocks() -> None:
 
 
 def test_helpers_write_what_they_say(tmp_path: Path) -> None:
-    """The tiny file holds the block types the tests rely on."""
+    """The tiny files hold the block types the tests rely on."""
     from gguf import GGUFReader
 
-    kinds = {
-        t.tensor_type.name for t in GGUFReader(write_tiny_qwen2_gguf(tmp_path / "t.gguf")).tensors
-    }
-    assert {"Q4_K", "Q6_K", "Q8_0", "Q5_0", "F16", "F32"} <= kinds
+    def kinds(path: Path) -> set[str]:
+        return {t.tensor_type.name for t in GGUFReader(path).tensors}
+
+    mixed = write_tiny_qwen2_gguf(tmp_path / "t", layer_types=MIXED_LAYER_TYPES)
+    assert {"Q4_K", "Q6_K", "Q8_0", "Q5_0", "F32"} <= kinds(mixed)
+    more = write_tiny_qwen2_gguf(tmp_path / "m", layer_types=MORE_LAYER_TYPES)
+    assert {k.name for kinds in MORE_LAYER_TYPES.values() for k in kinds} <= kinds(more)
 
 
 def test_the_kept_layout_maps_the_tensors_gguf_reads(tmp_path: Path) -> None:
@@ -205,7 +268,7 @@ def test_the_kept_layout_maps_the_tensors_gguf_reads(tmp_path: Path) -> None:
     import numpy as np
     from gguf import GGUFReader
 
-    from understudy.models.gguf_weights import LAYOUT_FILE, mapped_tensors, read_layout
+    from understudy.models.gguf_file import LAYOUT_FILE, mapped_tensors, read_layout
 
     path = write_tiny_qwen2_gguf(tmp_path / "t.gguf")
     cache = tmp_path / "meta"

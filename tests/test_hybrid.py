@@ -11,8 +11,10 @@ from scipy.stats import chisquare
 from understudy import Engine, SamplingParams, UnderstudyError
 from understudy.drafters import hybrid as hybrid_module
 from understudy.drafters.base import Drafter, Proposal
-from understudy.drafters.hybrid import HybridProposer, LiveCostRatio, bucket, mixed_q
+from understudy.drafters.hybrid import HybridProposer, bucket, mixed_q
+from understudy.measure.live import LiveCostRatio
 from understudy.policy.adaptive_k import AdaptiveK
+from understudy.policy.costs import Costs, PassCurve
 from understudy.verify.sampling import warp_probs
 
 ALPHA = 1e-3
@@ -30,39 +32,39 @@ def test_buckets():
 
 def test_plan_from_priors():
     # a long match (prior 0.75 per guess) at c = 0.3: free beats the model, 2.31 vs 1.37
-    assert HybridProposer(None, None, 0.3).plan(2, 2, 8) == (2, 0)
+    assert HybridProposer(None, None, 0.3).choose_mix(2, 2, 8) == (2, 0)
     # nothing free: the model if it pays (c = 0.3), else a plain pass (c = 2)
-    assert HybridProposer(None, None, 0.3).plan(2, 0, 0) == (0, 2)
-    assert HybridProposer(None, None, 2.0).plan(2, 0, 0) == (0, 0)
+    assert HybridProposer(None, None, 0.3).choose_mix(2, 0, 0) == (0, 2)
+    assert HybridProposer(None, None, 2.0).choose_mix(2, 0, 0) == (0, 0)
     # a short, confident free run extended by a cheap model: mixed
-    assert HybridProposer(None, None, 0.1).plan(4, 1, 16) == (1, 3)
+    assert HybridProposer(None, None, 0.1).choose_mix(4, 1, 16) == (1, 3)
     # a weak one-token match and a cheap model: the model alone
-    assert HybridProposer(None, None, 0.1).plan(4, 4, 1) == (0, 4)
+    assert HybridProposer(None, None, 0.1).choose_mix(4, 4, 1) == (0, 4)
 
 
 def test_plan_prices_the_draft_catching_up():
     """Tokens the draft model has not seen (a long prompt on its first use, or the text of
     free rounds) cost it catch_up_ratio passes each, shared among CATCH_UP_ROUNDS rounds."""
     proposer = HybridProposer(None, None, 0.1, catch_up_ratio=0.03)
-    assert proposer.plan(4, 4, 4) == (0, 4)  # a 4-token match (prior 0.6) loses to the model
+    assert proposer.choose_mix(4, 4, 4) == (0, 4)  # a 4-token match (prior 0.6) loses to the model
     # 400 unseen tokens = 12 passes, 1.5 per round: the free guesses alone, at no draft cost
-    assert proposer.plan(4, 4, 4, unseen=400) == (4, 0)
+    assert proposer.choose_mix(4, 4, 4, unseen=400) == (4, 0)
     # nothing free: the model, caught up, still beats a plain pass
-    assert proposer.plan(4, 0, 0, unseen=400) == (0, 4)
+    assert proposer.choose_mix(4, 0, 0, unseen=400) == (0, 4)
     # the catch-up is shared: 12 passes charged to one round would lose to a plain pass
     hybrid_module.CATCH_UP_ROUNDS, saved = 1, hybrid_module.CATCH_UP_ROUNDS
     try:
-        assert proposer.plan(4, 0, 0, unseen=400) == (0, 0)
+        assert proposer.choose_mix(4, 0, 0, unseen=400) == (0, 0)
     finally:
         hybrid_module.CATCH_UP_ROUNDS = saved
 
 
 def test_plan_prices_rows():
     """With unpadded passes each extra row costs v of a pass: long plans must earn it."""
-    free_rows = HybridProposer(None, None, 0.01).plan(15, 15, 1)
+    free_rows = HybridProposer(None, None, 0.01).choose_mix(15, 15, 1)
     dear_rows = HybridProposer(None, None, 0.01)
-    dear_rows.row_cost = 0.1
-    j, n_model = dear_rows.plan(15, 15, 1)
+    dear_rows.costs = Costs(row=0.1)
+    j, n_model = dear_rows.choose_mix(15, 15, 1)
     # a 1-token match (prior 0.2) loses to the model; its prior is AdaptiveK's, a per guess
     a = AdaptiveK.PRIOR_ACCEPT
 
@@ -82,26 +84,25 @@ def test_plan_prices_rows_by_the_measured_pass_curve():
     a = AdaptiveK.PRIOR_ACCEPT
     curve = tuple(1.0 + 0.04 * n for n in range(8)) + tuple(2.0 + 0.3 * n for n in range(8))
     proposer = HybridProposer(None, None, 0.05)
-    proposer.row_cost = (curve[-1] - 1.0) / 15  # the one slope, as costs.row has it
-    linear = proposer.plan(15, 0, 0)
-    proposer.pass_curve = curve
-    assert (
-        proposer.pass_cost(3) == curve[3] and proposer.pass_cost(20) == 1.0 + 20 * proposer.row_cost
-    )
+    slope = (curve[-1] - 1.0) / 15  # the one slope, as costs.row has it
+    proposer.costs = Costs(row=slope)
+    linear = proposer.choose_mix(15, 0, 0)
+    proposer.costs = Costs(row=slope, pass_curve=PassCurve(tuple(range(1, 17)), curve))
+    assert proposer.pass_cost(3) == curve[3] and proposer.pass_cost(20) == 1.0 + 20 * slope
     rates = [sum(a**i for i in range(k + 1)) / (k * 0.05 + curve[k]) for k in range(16)]
-    assert proposer.plan(15, 0, 0) == (0, max(range(16), key=rates.__getitem__))
-    assert proposer.plan(15, 0, 0)[1] > linear[1]
+    assert proposer.choose_mix(15, 0, 0) == (0, max(range(16), key=rates.__getitem__))
+    assert proposer.choose_mix(15, 0, 0)[1] > linear[1]
 
 
 def test_plan_learns_from_verdicts():
     proposer = HybridProposer(None, None, 0.3)
-    assert proposer.plan(2, 2, 8) == (2, 0)
+    assert proposer.choose_mix(2, 2, 8) == (2, 0)
     for _ in range(20):  # free guesses from long matches keep being rejected at once
         proposer._observe([0, 5], 1, [6, 7], 2, 0, bucket(8))
-    assert proposer.plan(2, 2, 8) == (0, 2)
+    assert proposer.choose_mix(2, 2, 8) == (0, 2)
     for _ in range(40):  # and now the model's guesses too
         proposer._observe([0, 5], 1, [6, 7], 0, 2, bucket(8))
-    assert proposer.plan(2, 0, 0) == (0, 0)
+    assert proposer.choose_mix(2, 0, 0) == (0, 0)
 
 
 # -- the q of a mixed proposal -----------------------------------------------------------------
@@ -146,7 +147,7 @@ class StubModel(Drafter):
 def test_mixed_proposal_q():
     model = StubModel(vocab=6)
     proposer = HybridProposer(StubFree([4, 5], 16), model, 0.1)
-    proposer.plan = lambda k, free_len, match_len, unseen=0: (2, 2)
+    proposer.choose_mix = lambda k, free_len, match_len, unseen=0: (2, 2)
     sampled = proposer.propose([9, 9], 4, SamplingParams(temperature=1.0), torch.Generator())
     assert model.seen[-1] == [9, 9, 4, 5]  # the model continues after the free guesses
     assert sampled.draft_ids.tolist() == [4, 5, 0, 1]
@@ -158,7 +159,7 @@ def test_mixed_proposal_q():
     assert torch.equal(mixed_q(torch.tensor([4, 5]), stub_q), q)
     greedy = proposer.propose([9, 9], 4, SamplingParams(temperature=0.0), torch.Generator())
     assert greedy.draft_probs is None and greedy.draft_ids.tolist() == [4, 5, 0, 1]
-    proposer.plan = lambda k, free_len, match_len, unseen=0: (2, 0)
+    proposer.choose_mix = lambda k, free_len, match_len, unseen=0: (2, 0)
     free_only = proposer.propose([9, 9], 4, SamplingParams(temperature=1.0), torch.Generator())
     assert free_only.draft_probs is None and free_only.draft_ids.tolist() == [4, 5]
     assert proposer.plans == {"free": 1, "model": 0, "mixed": 2, "none": 0}
@@ -179,14 +180,14 @@ def test_a_doubting_model_drafts_the_rest_of_the_budget():
     the rest of the round's budget (as under method="draft"), not the plan's K."""
     model = DoubtingStubModel(vocab=6)
     proposer = HybridProposer(StubFree([4, 5], 16), model, 0.1)
-    proposer.plan = lambda k, free_len, match_len, unseen=0: (1, 2)
+    proposer.choose_mix = lambda k, free_len, match_len, unseen=0: (1, 2)
     proposal = proposer.propose([9, 9], 10, SamplingParams(temperature=0.0), torch.Generator())
     assert model.asked == 9 and model.seen[-1] == [9, 9, 4]
     assert proposal.draft_ids.tolist() == [4, 0, 1, 2]
     assert proposer._last[3] == 3  # learnt with the length it really drafted
     plain_model = StubModel(vocab=6)
     capped = HybridProposer(StubFree([4, 5], 16), plain_model, 0.1)
-    capped.plan = lambda k, free_len, match_len, unseen=0: (1, 2)
+    capped.choose_mix = lambda k, free_len, match_len, unseen=0: (1, 2)
     assert capped.propose([9, 9], 10, SamplingParams(), torch.Generator()).size == 3
 
 
@@ -211,7 +212,7 @@ def test_hybrid_learns_c_only_when_it_measured_it():
     fixed = HybridProposer(StubFree([4, 5], 16), StubModel(6), 0.1)
     assert fixed.live_cost is None
     learning = HybridProposer(StubFree([4, 5], 16), StubModel(6), 0.1, learn_cost=True)
-    learning.plan = lambda k, free_len, match_len, unseen=0: (0, 2)
+    learning.choose_mix = lambda k, free_len, match_len, unseen=0: (0, 2)
     learning.propose([9, 9], 4, SamplingParams(), torch.Generator())
     learning.commit([9, 9, 0, 7])
     live = learning.live_cost
@@ -224,15 +225,15 @@ def test_c_is_followed_only_where_the_pass_curve_was_not_measured():
     correct it; where the pass curve was measured (unpadded passes, timed in sweeps) c stays
     the build's, so a slow round on a busy machine cannot turn the plans from the model for
     the rest of a request."""
-    from understudy.policy.costs import Costs
-
     padded = HybridProposer(StubFree([4, 5], 16), StubModel(6), 0.0, learn_cost=True)
-    padded.use_costs(Costs(draft_step=0.2, row=0.0))
+    padded.settle(Costs(draft_step=0.2, row=0.0), True)
     assert padded.live_cost is not None and padded.live_cost.value == 0.2
     measured = HybridProposer(StubFree([4, 5], 16), StubModel(6), 0.0, learn_cost=True)
-    measured.use_costs(Costs(draft_step=0.3, row=0.1, pass_curve=(1.0, 1.1, 1.3)))
+    measured.settle(
+        Costs(draft_step=0.3, row=0.1, pass_curve=PassCurve((1, 2, 3), (1.0, 1.1, 1.3))), True
+    )
     assert measured.live_cost is None and measured.cost_ratio == 0.3
-    measured.plan = lambda k, free_len, match_len, unseen=0: (0, 1)
+    measured.choose_mix = lambda k, free_len, match_len, unseen=0: (0, 1)
     measured.propose([9, 9], 2, SamplingParams(), torch.Generator())
     measured.commit([9, 9, 0, 7])
     assert measured.cost_ratio == 0.3
@@ -274,8 +275,8 @@ def test_live_cost_times_guesses_apart_from_the_catch_up_and_per_one_row_pass(mo
     monkeypatch.setattr(hybrid_module.time, "perf_counter", clock)
     model = SlowStubModel(6, clock)
     proposer = HybridProposer(StubFree([4, 5], 16), model, 0.3, learn_cost=True)
-    proposer.row_cost = 0.5  # a pass checking n guesses: 1 + 0.5 n one-row passes
-    proposer.plan = lambda k, free_len, match_len, unseen=0: (0, 3)
+    proposer.costs = Costs(row=0.5)  # a pass checking n guesses: 1 + 0.5 n one-row passes
+    proposer.choose_mix = lambda k, free_len, match_len, unseen=0: (0, 3)
     prompt = list(range(1, 21))
     proposal = proposer.propose(prompt, 3, SamplingParams(temperature=0.0), torch.Generator())
     assert proposal.size == 3 and clock.now == pytest.approx(5.0 * 19 + 0.3)
@@ -298,7 +299,7 @@ def test_the_plans_do_not_price_the_prompts_catch_up():
         unseen_seen.append(unseen)
         return (0, 0)
 
-    proposer.plan = plan
+    proposer.choose_mix = plan
     prompt = list(range(1, 41))
     proposer.begin(prompt)
     assert model.fed == []  # the prompt is read in the first model round, not at begin
@@ -310,7 +311,7 @@ def test_the_plans_do_not_price_the_prompts_catch_up():
 
 def test_commit_learns_the_verdict():
     proposer = HybridProposer(StubFree([4, 5], 16), StubModel(6), 0.1)
-    proposer.plan = lambda k, free_len, match_len, unseen=0: (2, 0)
+    proposer.choose_mix = lambda k, free_len, match_len, unseen=0: (2, 0)
     before = proposer.free_hits[bucket(16)] / proposer.free_tries[bucket(16)]
     proposer.propose([9, 9], 2, SamplingParams(), torch.Generator())
     proposer.commit([9, 9, 4, 7])  # first guess kept, second rejected
@@ -354,7 +355,7 @@ def test_greedy_identity(tiny_pair, free, k, forced):
         hybrid_cost_ratio=0.25,
     )
     if forced:
-        engine.drafter.plan = force_mixing
+        engine.drafter.choose_mix = force_mixing
     params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
     accepted = 0
     for prompt in repetitive_prompts(8, seed=5):
@@ -452,7 +453,7 @@ def mixed_engine(tiny_pair):
         hybrid_free="ngram",
         hybrid_cost_ratio=0.1,
     )
-    engine.drafter.plan = force_mixing
+    engine.drafter.choose_mix = force_mixing
     return engine, informative_prompt(engine)
 
 

@@ -282,7 +282,7 @@ def test_sampling_matches_plain_distribution(sampling_setup):
 def test_wrong_verifier_fails_the_same_test(sampling_setup, monkeypatch):
     """Mutation check: at a rejected one-hot guess, drawing the correction from p itself
     instead of the residual p - q (i.e. not removing the rejected token) is detected."""
-    import understudy.engine.engine as engine_module
+    import understudy.engine.verdict as verdict_module
     from understudy.verify.chain import Verdict, verify_sampling
     from understudy.verify.sampling import sample
 
@@ -294,7 +294,7 @@ def test_wrong_verifier_fails_the_same_test(sampling_setup, monkeypatch):
         return Verdict(verdict.accepted, int(sample(p, generator)))
 
     engine, prompt, baseline = sampling_setup
-    monkeypatch.setattr(engine_module, "verify_sampling", forgets_the_residual)
+    monkeypatch.setattr(verdict_module, "verify_sampling", forgets_the_residual)
     counts, _, _ = first_tokens(engine, prompt, range(2 * SAMPLES, 3 * SAMPLES))
     pvalue = homogeneity_pvalue(counts, baseline)
     assert pvalue < ALPHA, f"the wrong verifier was not detected (p = {pvalue:.3f})"

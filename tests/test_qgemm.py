@@ -7,6 +7,10 @@ format keeps them). References are float64 matmuls with gguf's own dequantized w
 from __future__ import annotations
 
 import ctypes
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -14,6 +18,7 @@ import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, dequantize
 
 from understudy.kernels import qgemm
+from understudy.kernels.build import compile_shared
 
 pytestmark = pytest.mark.skipif(not qgemm.available(), reason="qgemm cannot be built here")
 
@@ -109,11 +114,11 @@ def test_weight_rows_are_the_reference_dequantization(
 
 def test_rows_are_bitwise_independent_of_call_size_and_threads() -> None:
     """Every row of a call of 1..40 rows equals that row computed alone, bitwise, with 1 and
-    2 threads; parts of all five kernel types and one dequantized (F16) part."""
+    2 threads; parts of all five kernel types and one dequantized (F32) part."""
     cols = 512
     parts = [random_blocks(k, 24 + 8 * i, cols, seed=10 + i) for i, (k, _) in enumerate(CASES)]
-    f16 = np.random.default_rng(9).standard_normal((16, cols)).astype(np.float16)
-    parts.append(qgemm.GGUFTensor(T.F16, f16, 16, cols))
+    f32 = np.random.default_rng(9).standard_normal((16, cols)).astype(np.float32)
+    parts.append(qgemm.GGUFTensor(T.F32, f32, 16, cols))
     out = sum(p.rows for p in parts)
     linear = qgemm.QuantLinear(parts, torch.randn(out))
     x = torch.randn(40, cols) * torch.logspace(-3, 2, 40)[:, None]
@@ -123,7 +128,7 @@ def test_rows_are_bitwise_independent_of_call_size_and_threads() -> None:
         alone = torch.cat([linear(x[i : i + 1]) for i in range(40)])  # [40, out]
         for n_threads in (1, 2):
             torch.set_num_threads(n_threads)
-            for m in (1, 2, 3, 7, 8, 9, 16, 31, 32, 33, 40):
+            for m in (1, 2, 3, 4, 5, 7, 8, 9, 12, 16, 17, 25, 31, 32, 33, 40):
                 assert torch.equal(linear(x[:m]), alone[:m]), (n_threads, m)
             assert torch.equal(linear(x.flip(0)), alone.flip(0)), n_threads
     finally:
@@ -134,28 +139,79 @@ PORTABLE_BUILDS = {
     "scalar": ("-O2", "-march=x86-64", "-fopenmp", "-ffp-contract=off"),
     "avx2": ("-O3", "-march=haswell", "-fopenmp", "-ffp-contract=off"),
 }
+# row counts that reach every path of the vector kernels: one group of rows sharing each
+# decoded block (1-8 rows: accumulators in registers, or in L1 from 5 rows), groups side by
+# side (9-32: AVX-512 splits them into 2-4 groups of 4-8, AVX2 into groups of 8), and a
+# second tile of rows (33-40)
+ROW_COUNTS = (1, 2, 3, 4, 5, 6, 7, 8, 9, 12, 13, 16, 17, 25, 31, 32, 33, 40)
+
+
+def every_row_count(lib: ctypes.CDLL, kind: GGMLQuantizationType, block: int) -> list[torch.Tensor]:
+    """`lib`'s products (it packs the weights itself: a build's panel layout is its own) for
+    calls of each of ROW_COUNTS rows: 3 blocks a row (an odd count of 32-value blocks), 40
+    columns in 3 panels, the last one partial, and a bias; rows of magnitudes 1e-2 .. 10."""
+    cols = 3 * 256 + (block if block == 32 else 0)
+    weight = random_blocks(kind, 40, cols, seed=20)
+    linear = qgemm.QuantLinear([weight], torch.linspace(-1.0, 1.0, 40), lib=lib)
+    rows = torch.randn(40, cols, generator=torch.Generator().manual_seed(21))
+    xs = rows * torch.logspace(-2, 1, 40)[:, None]
+    return [linear(xs[:m]) for m in ROW_COUNTS]
 
 
 @pytest.mark.parametrize("build", sorted(PORTABLE_BUILDS))
 def test_every_instruction_set_gives_the_same_bits(build: str) -> None:
     """The portable C path and the AVX2 path compute the same integers and float steps as
     the path this CPU runs (AVX-512 where it has it): same bits, for every kernel type and
-    for groups of rows that do not fill a register group (1..11 rows). Each build packs the
-    weights itself: the panel layout may differ between builds (the AVX2 one orders Q5_0's
-    fifth bits as its kernel reads them)."""
+    every way a call's rows are grouped (ROW_COUNTS)."""
     other = qgemm.load(PORTABLE_BUILDS[build])
     native = qgemm.load()
     assert native is not None
     if other is None or other.understudy_qgemm_simd() == native.understudy_qgemm_simd():
         pytest.skip(f"no {build} build here, or it is what this CPU runs already")
     for kind, block in CASES:
-        cols = 512 + (block if block == 32 else 0)  # an odd count of 32-value blocks too
-        weight = random_blocks(kind, 16, cols, seed=20)
-        linear = qgemm.QuantLinear([weight], None)
-        packed_by_other = qgemm.QuantLinear([weight], None, lib=other)  # its own layout
-        xs = torch.randn(11, cols) * torch.logspace(-2, 1, 11)[:, None]
-        for m in (1, 3, 8, 11):
-            assert torch.equal(packed_by_other(xs[:m]), linear(xs[:m])), (kind.name, m)
+        theirs, ours = every_row_count(other, kind, block), every_row_count(native, kind, block)
+        for m, a, b in zip(ROW_COUNTS, theirs, ours, strict=True):
+            assert torch.equal(a, b), (kind.name, m)
+
+
+# Float steps of the AVX-512 Q4_K block in another order (qgemm_avx512.h's text: each
+# mutation names the lines it replaces): what the comparison above must catch
+FLOAT_ORDER_MUTATIONS = {
+    "mins term before the block's sum": (
+        "        f[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum[r]), _mm512_mul_ps(s, d), f[r]);\n"
+        "        f[r] = _mm512_fnmadd_ps(_mm512_cvtepi32_ps(jsum), _mm512_mul_ps(s, dmin), f[r]);\n",
+        "        f[r] = _mm512_fnmadd_ps(_mm512_cvtepi32_ps(jsum), _mm512_mul_ps(s, dmin), f[r]);\n"
+        "        f[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum[r]), _mm512_mul_ps(s, d), f[r]);\n",
+    ),
+    "mins term rounded before it is taken off": (
+        "        f[r] = _mm512_fnmadd_ps(_mm512_cvtepi32_ps(jsum), _mm512_mul_ps(s, dmin), f[r]);\n",
+        "        f[r] = _mm512_sub_ps(f[r], _mm512_mul_ps(_mm512_cvtepi32_ps(jsum),\n"
+        "                                                 _mm512_mul_ps(s, dmin)));\n",
+    ),
+}
+
+
+@pytest.mark.parametrize("mutation", sorted(FLOAT_ORDER_MUTATIONS))
+def test_a_different_float_order_fails_the_comparison(mutation: str, tmp_path: Path) -> None:
+    """The comparison across instruction sets has the power to see the order of the float
+    steps: an AVX-512 build whose Q4_K blocks take theirs in another order (the same
+    integers, the same operations) gives other bits than the portable build, which the
+    unchanged build matches (test_every_instruction_set_gives_the_same_bits)."""
+    native, scalar = qgemm.load(), qgemm.load(PORTABLE_BUILDS["scalar"])
+    if native is None or native.understudy_qgemm_simd() != 2 or scalar is None:
+        pytest.skip("no AVX-512 build or no portable build here")
+    for source in [qgemm.SOURCE, *qgemm.SOURCE.parent.glob("*.h")]:  # what it may include
+        (tmp_path / source.name).write_text(source.read_text())
+    header = tmp_path / "qgemm_avx512.h"
+    before, after = FLOAT_ORDER_MUTATIONS[mutation]
+    assert header.read_text().count(before) == 1, "the mutation's lines are not in the kernel"
+    header.write_text(header.read_text().replace(before, after))
+    built = compile_shared(tmp_path / "qgemm.c", tmp_path / "build")
+    mutant = None if built is None else qgemm.bind(built)
+    assert mutant is not None, "the mutated kernel did not build"
+    theirs = every_row_count(scalar, T.Q4_K, 256)
+    mutated = every_row_count(mutant, T.Q4_K, 256)
+    assert not any(torch.equal(a, b) for a, b in zip(theirs, mutated, strict=True))
 
 
 def test_refuses_shapes_it_cannot_take() -> None:
@@ -221,7 +277,9 @@ def test_panels_pad_a_partial_last_panel_without_writing_past_it() -> None:
     assert torch.equal(y[:, :21], alone)
 
 
-def parts_call(lib, linears: list[qgemm.QuantLinear], firsts: list[int], x, ldy: int):
+def parts_call(
+    lib, linears: list[qgemm.QuantLinear], firsts: list[int], x, ldy: int, threads: int = 0
+):
     """understudy_qgemm_parts over each linear's one part, into y [M, ldy] filled with a
     sentinel: (return code, y)."""
     n = len(linears)
@@ -231,7 +289,7 @@ def parts_call(lib, linears: list[qgemm.QuantLinear], firsts: list[int], x, ldy:
         n, (ctypes.c_int * n)(*[c[0] for c in calls]), (ctypes.c_void_p * n)(*[c[1] for c in calls]),
         (ctypes.c_void_p * n)(*[c[2] or None for c in calls]), (ctypes.c_long * n)(*firsts),
         (ctypes.c_long * n)(*[c[4] for c in calls]), x.data_ptr(), y.data_ptr(), ldy, x.shape[0],
-        x.shape[1], torch.get_num_threads(),
+        x.shape[1], threads or torch.get_num_threads(),
     )  # fmt: skip
     return code, y
 
@@ -242,7 +300,7 @@ def test_parts_in_one_call_have_the_bits_of_each_part_alone() -> None:
     its own, with its bias, for 1..11 rows on 1 and 2 threads; columns between and after
     the parts are never written."""
     lib = qgemm.load()
-    shapes = [(T.Q4_K, 21), (T.Q8_0, 5), (T.Q6_K, 40), (T.Q5_0, 17)]
+    shapes = [(T.Q4_K, 21), (T.Q8_0, 5), (T.Q6_K, 200), (T.Q5_0, 17)]
     linears = [
         qgemm.QuantLinear([random_blocks(kind, rows, 512, seed=60 + i)], torch.randn(rows))
         for i, (kind, rows) in enumerate(shapes)
@@ -270,6 +328,34 @@ def test_parts_in_one_call_have_the_bits_of_each_part_alone() -> None:
     too_many = [linears[0]] * 5
     assert parts_call(lib, too_many, [0] * 5, x[:1], at)[0] == -1
     assert parts_call(lib, linears[:1], [at - 10], x[:1], at)[0] == -1  # past ldy
+
+
+TEAM_OF_ONE = """
+import sys, torch
+sys.path.insert(0, sys.argv[1])
+from test_qgemm import T, parts_call, qgemm, random_blocks
+lib = qgemm.load()
+linears = [qgemm.QuantLinear([random_blocks(T.Q4_K, 100, 512, seed=70)], None),
+           qgemm.QuantLinear([random_blocks(T.Q6_K, 60, 512, seed=71)], None)]
+x = torch.randn(3, 512)
+code, y = parts_call(lib, linears, [0, 100], x, 160, threads=2)
+assert code == 0, code
+alone = torch.cat([linear(x) for linear in linears], dim=1)
+print("same" if torch.equal(y, alone) else "differs")
+"""
+
+
+def test_panels_of_a_thread_that_never_started_are_taken_by_the_others() -> None:
+    """A one-tile call gives each of its `threads` a run of panels and lets a thread done
+    with its own take the rest of the others'. With OpenMP limited to one thread, a call
+    asking for two gets a team of one: that thread must take both runs, every column."""
+    env = dict(os.environ, OMP_THREAD_LIMIT="1")
+    here = str(Path(__file__).parent)
+    done = subprocess.run(
+        [sys.executable, "-c", TEAM_OF_ONE, here], env=env, capture_output=True, text=True
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.strip() == "same", done.stdout
 
 
 @pytest.mark.parametrize("kind", [T.Q5_0, T.Q8_0], ids=["Q5_0", "Q8_0"])

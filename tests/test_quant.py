@@ -214,7 +214,7 @@ def test_quantizing_twice(tiny_draft, tmp_path):
 def test_from_pretrained_quantizes_the_draft(tiny_pair, tmp_path, monkeypatch):
     """The factory's path: draft_quantization="auto" quantizes the draft on a CPU (the target
     never), caching the packing; None keeps it dense."""
-    from understudy.engine.builder import DEFAULT_CPU_DRAFT_QUANTIZATION
+    from understudy.engine.draft_setup import DEFAULT_CPU_DRAFT_QUANTIZATION
 
     monkeypatch.setenv("UNDERSTUDY_CACHE", str(tmp_path))
     target, draft = tiny_pair
@@ -324,9 +324,9 @@ def test_sampling_with_quantized_draft_has_target_law(int4_engine, plain_samples
 
 def test_wrong_verifier_fails_the_same_test(int4_engine, plain_samples, monkeypatch):
     """Mutation check (the test has power): resampling from p instead of the residual."""
-    import understudy.engine.engine as engine_module
+    import understudy.engine.verdict as verdict_module
     from stats_helpers import resample_from_p_verify
 
-    monkeypatch.setattr(engine_module, "verify_sampling", resample_from_p_verify)
+    monkeypatch.setattr(verdict_module, "verify_sampling", resample_from_p_verify)
     pvalue = homogeneity_pvalue(first_tokens(int4_engine, 1200, seed0=0), plain_samples)
     assert pvalue < P_THRESHOLD, f"the wrong verifier was not detected (p = {pvalue:.3f})"

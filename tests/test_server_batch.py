@@ -28,6 +28,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from server_helpers import ServerProcess, serve_in_thread
+from understudy.engine import scheduler as scheduler_module
 from understudy.engine.engine import Engine
 from understudy.engine.seats import kv_bytes_per_seat
 from understudy.server.app import create_app
@@ -212,7 +213,7 @@ def test_a_disconnected_stream_frees_its_seat_and_a_full_batch_says_429(engine):
         again = httpx.post(url + "/v1/completions", json=short, timeout=60)
         assert again.status_code == 200 and again.json()["usage"]["completion_tokens"] == 5
         assert httpx.get(url + "/health").json()["kv_bytes_per_seq"] == kv_bytes_per_seat(
-            engine.batch.seats
+            engine.scheduler.seats
         )
 
 
@@ -247,20 +248,20 @@ def test_an_engine_fault_in_one_sequence_fails_it_alone_and_gives_its_seat_back(
     app = create_app(engine)
     name = app.state.model_name
     marked = engine.encode("# fault")
-    prefill = engine._prefill
+    real_start = scheduler_module.start_request
 
-    def faulty(prompt_ids, params, seat):
+    def faulty(target, max_context, prompt_ids, params, seat):
         if list(prompt_ids) == marked:
             raise RuntimeError("an engine fault")
-        return prefill(prompt_ids, params, seat)
+        return real_start(target, max_context, prompt_ids, params, seat)
 
     good = {"model": name, "prompt": "def add(a, b):", "max_tokens": 12, "temperature": 0,
             "ignore_eos": True}  # fmt: skip
-    engine._prefill = faulty
+    scheduler_module.start_request = faulty
     try:
         with serve_in_thread(app) as url:
             want = httpx.post(url + "/v1/completions", json=good, timeout=60).json()
-            bodies = [good, {**good, "prompt": "# fault"}] * (len(engine.batch.seats) + 1)
+            bodies = [good, {**good, "prompt": "# fault"}] * (len(engine.scheduler.seats) + 1)
             with ThreadPoolExecutor(4) as pool:
                 answers = list(
                     pool.map(lambda b: httpx.post(url + "/v1/completions", json=b, timeout=60),
@@ -273,9 +274,9 @@ def test_an_engine_fault_in_one_sequence_fails_it_alone_and_gives_its_seat_back(
                     assert response.status_code == 500, response.text
             health = httpx.get(url + "/health").json()
             assert (health["running"], health["waiting"]) == (0, 0)
-            every_seat = {**good, "n": len(engine.batch.seats), "temperature": 1.0, "seed": 1}
+            every_seat = {**good, "n": len(engine.scheduler.seats), "temperature": 1.0, "seed": 1}
             response = httpx.post(url + "/v1/completions", json=every_seat, timeout=60)
-            assert response.json()["usage"]["completion_tokens"] == 12 * len(engine.batch.seats)
-            assert len(engine.batch.free) == len(engine.batch.seats)
+            assert response.json()["usage"]["completion_tokens"] == 12 * len(engine.scheduler.seats)
+            assert len(engine.scheduler.free) == len(engine.scheduler.seats)
     finally:
-        del engine._prefill  # the class's method again
+        scheduler_module.start_request = real_start

@@ -361,6 +361,7 @@ def test_refused_parameters_are_named(client, kwargs, param):
     "kwargs, param",
     [
         (dict(top_logprobs=2), "top_logprobs"),
+        (dict(logprobs=True, top_logprobs=21), "top_logprobs"),
         (dict(tool_choice="auto"), "tool_choice"),
         (dict(tools=[WEATHER], parallel_tool_calls=False), "parallel_tool_calls"),
         (

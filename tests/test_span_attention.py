@@ -1,6 +1,7 @@
-"""kernels/span_attention.c: decode rows' attention against a float64 reference, row
-invariance (a row's bits alone and among others, on 1 and 2 threads), the portable and AVX2
-builds' bits against this CPU's path, and its refusal of rows that do not see one run of keys."""
+"""kernels/span_attention.c: decode rows' attention against a float64 reference (with Gemma
+2's soft cap too), row invariance (a row's bits alone and among others, on 1 and 2 threads),
+the portable and AVX2 builds' bits against this CPU's path, its refusal of rows that do not
+see one run of keys, and of heads whose size is not a multiple of its lanes."""
 
 from __future__ import annotations
 
@@ -33,8 +34,9 @@ def case(rows: int, heads: int, kv_heads: int, dim: int, length: int, per_row: b
     return q, keys, values, mask
 
 
-def reference(q, keys, values, mask, scale: float) -> torch.Tensor:
-    """float64 softmax attention of each row over the keys it sees -> [R, H, D]."""
+def reference(q, keys, values, mask, scale: float, softcap: float | None = None) -> torch.Tensor:
+    """float64 softmax attention of each row over the keys it sees -> [R, H, D], each
+    scaled score capped to softcap * tanh(s / softcap) when given."""
     heads, rows, _ = q.shape
     group = heads // keys.shape[1]
     out = torch.empty(rows, heads, q.shape[-1], dtype=torch.float64)
@@ -44,7 +46,8 @@ def reference(q, keys, values, mask, scale: float) -> torch.Tensor:
         for h in range(heads):
             k = keys[b, h // group][seen].double()
             v = values[b, h // group][seen].double()
-            w = torch.softmax(k @ q[h, r].double() * scale, dim=0)
+            s = k @ q[h, r].double() * scale
+            w = torch.softmax(s if softcap is None else torch.tanh(s / softcap) * softcap, dim=0)
             out[r, h] = w @ v
     return out
 
@@ -103,3 +106,30 @@ def test_refuses_rows_that_do_not_see_one_run() -> None:
     assert kernel.span_attention(q, keys, values, mask, 0.125) is None
     mask[1] = False  # nothing visible at all
     assert kernel.span_attention(q, keys, values, mask, 0.125) is None
+
+
+@pytest.mark.parametrize("per_row", [False, True])
+def test_soft_capped_scores_match_a_float64_reference(per_row: bool) -> None:
+    """Scores up to ~+-6 against a cap of 2 (most saturate, some in tanh's small-argument
+    series): the kernel is the capped reference's within float rounding, and far from the
+    uncapped one (the test would catch a cap not applied)."""
+    q, keys, values, mask = case(9, 8, 2, 64, 40, per_row, seed=5)
+    got = kernel.span_attention(q, keys, values, mask, 0.125, softcap=2.0)
+    assert got is not None
+    want = reference(q, keys, values, mask, 0.125, softcap=2.0)
+    assert torch.allclose(got.double(), want, rtol=1e-5, atol=1e-5), (
+        (got.double() - want).abs().max()
+    )
+    uncapped = reference(q, keys, values, mask, 0.125)
+    assert (uncapped - want).abs().max() > 1e-2
+    assert torch.equal(
+        kernel.span_attention(q[:, 3:4], keys[3:4] if per_row else keys, values[3:4] if per_row
+                              else values, mask[3:4], 0.125, softcap=2.0)[0],
+        got[3],
+    )  # fmt: skip
+
+
+def test_names_the_heads_it_cannot_take() -> None:
+    assert kernel.refusal(14, 2, 64) is None
+    assert "head size 8" in kernel.refusal(4, 2, 8)
+    assert "do not split" in kernel.refusal(6, 4, 64)

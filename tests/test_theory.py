@@ -16,11 +16,15 @@ from typer.testing import CliRunner
 from understudy.cli.simulate import simulate, sparkline
 from understudy.config import UnderstudyError
 from understudy.policy.theory import (
+    PassCost,
+    alpha_from_acceptance_rate,
     expected_acceptance_rate,
     expected_speedup,
     expected_tokens_per_round,
     monte_carlo,
     optimal_k,
+    parse_pass_curve,
+    round_cost,
     simulate_report,
     speedup_curve,
 )
@@ -116,6 +120,115 @@ def test_speedup_curve_indexing() -> None:
     assert len(curve) == 64
     assert curve[3] == pytest.approx(3.3616 / 1.4)  # element i is K = i + 1
     assert max(curve) == curve[5]
+
+
+# --- the rows' cost: speedup = E / (K c + T(K+1)) --------------------------------------------
+
+STEPPED = PassCost.from_curve((1.0, 1.0, 1.0, 1.0, 2.0, 2.0, 2.0, 2.0))  # a 4-row kernel group
+
+
+@pytest.mark.parametrize(
+    "flat",
+    [PassCost(), PassCost(row=0.0), PassCost(curve=(1.0,) * 16), PassCost.from_curve((1.0,) * 4)],
+    ids=["default", "v=0", "flat curve", "flat curve extended"],
+)
+def test_a_flat_pass_is_exactly_leviathans_formula(flat: PassCost) -> None:
+    # T(n) = 1 for every n: E / (K c + T(K+1)) is E / (K c + 1), bit for bit
+    assert flat.flat
+    for alpha in (0.0, 0.3, 0.8, 0.98, 1.0):
+        for c in (0.0, 0.05, 0.27, 1.0):
+            for k in (1, 2, 5, 16, 64):
+                leviathan = expected_tokens_per_round(alpha, k) / (k * c + 1.0)
+                assert expected_speedup(alpha, k, c, flat) == leviathan
+                assert expected_speedup(alpha, k, c) == leviathan
+            assert speedup_curve(alpha, c, passes=flat) == speedup_curve(alpha, c)
+            assert optimal_k(alpha, c, passes=flat) == optimal_k(alpha, c)
+
+
+def test_pass_cost_reads_a_slope_or_a_curve() -> None:
+    assert PassCost(row=0.1).rows(1) == 1.0
+    assert PassCost(row=0.1).rows(6) == pytest.approx(1.5)  # 1 + 5 * 0.1
+    # the stepped curve: flat to 4 rows, 2 from 5 to 8; past it the line from (1, 1) to
+    # (8, 2), slope 1/7: T(9) = 1 + 8/7
+    assert STEPPED.row == pytest.approx(1 / 7)
+    assert [STEPPED.rows(n) for n in (1, 4, 5, 8)] == [1.0, 1.0, 2.0, 2.0]
+    assert STEPPED.rows(9) == pytest.approx(1 + 8 / 7)
+    assert not STEPPED.flat and not PassCost(row=0.1).flat
+    assert round_cost(4, 0.1, STEPPED) == pytest.approx(0.4 + 2.0)  # K = 4: a 5-row pass
+
+
+@pytest.mark.parametrize(
+    ("alpha", "k", "c", "row", "expected"),
+    [
+        (0.8, 4, 0.1, 0.1, 3.3616 / 1.8),  # K c = 0.4, T(5) = 1 + 4 * 0.1 = 1.4
+        (1.0, 4, 0.25, 0.25, 5 / 3),  # 5 / (1 + 1 + 4 * 0.25)
+        (0.5, 1, 0.0, 1.0, 0.75),  # a free drafter, but a 2-row pass costs 2: 1.5 / 2
+    ],
+)
+def test_speedup_with_a_row_cost_hand_values(alpha, k, c, row, expected) -> None:
+    assert expected_speedup(alpha, k, c, PassCost(row=row)) == pytest.approx(expected, rel=1e-12)
+
+
+def test_optimal_k_under_a_stepped_curve() -> None:
+    # a = 0.9, c = 0.05, T = 1 up to 4 rows, 2 from 5 to 8, 1 + (n - 1)/7 after:
+    #   K=2: 2.71      / (0.10 + 1)     = 2.46364
+    #   K=3: 3.439     / (0.15 + 1)     = 2.99043  (the last K whose pass is in the flat group)
+    #   K=4: 4.0951    / (0.20 + 2)     = 1.86141  (a 5-row pass: the step)
+    #   K=7: 5.6953279 / (0.35 + 2)     = 2.42354  (the best after the step)
+    #   K=8: 6.1257951 / (0.40 + 15/7)  = 2.40902  and falling after
+    assert optimal_k(0.9, 0.05, passes=STEPPED) == (3, pytest.approx(3.439 / 1.15, rel=1e-12))
+    # without the rows' cost the same a and c want K = 13 (4.67x): the flat theory
+    # overstates both the best K and what it buys
+    flat_k, flat_speedup = optimal_k(0.9, 0.05)
+    assert flat_k == 13 and flat_speedup > 4.6
+    # a row as dear as a pass: the longer the round, the worse; K = 1 is best
+    assert optimal_k(0.9, 0.05, passes=PassCost(row=1.0))[0] == 1
+
+
+def test_monte_carlo_charges_rows_and_agrees_with_the_formula_not_the_flat_one() -> None:
+    """The simulator charges each round its K drafter steps and its pass of K + 1 rows. The
+    formula with T agrees within 4 standard errors; the mutant formula that drops the rows'
+    cost (Leviathan's flat T = 1) is refused by the same test, for every case."""
+    cases = [(0.9, 4, 0.05, STEPPED), (0.9, 9, 0.05, STEPPED), (0.8, 4, 0.1, PassCost(row=0.1)),
+             (0.98, 5, 0.27, PassCost(row=0.3))]  # fmt: skip
+    for alpha, k, c, passes in cases:
+        mc = monte_carlo(alpha, c, k, rounds=40_000, spread=0.0, seed=2, passes=passes)
+        assert mc["round_cost"] == pytest.approx(k * c + passes.rows(k + 1))
+        band = 4 * mc["speedup_stderr"]
+        assert abs(mc["speedup"] - expected_speedup(alpha, k, c, passes)) < band
+        assert abs(mc["speedup"] - expected_speedup(alpha, k, c)) > band  # the mutant fails
+
+
+@pytest.mark.parametrize(
+    ("call", "words"),
+    [
+        (lambda: PassCost(row=-0.1), "row_cost must be >= 0"),
+        (lambda: PassCost(row=float("nan")), "row_cost must be a finite number"),
+        (lambda: PassCost(curve=(1.1, 1.2)), "pass_curve must start at 1"),
+        (lambda: PassCost(curve=(1.0, 1.3, 1.2)), "pass_curve must never fall"),
+        (lambda: PassCost(curve=(1.0, float("inf"))), "pass_curve must be a finite number"),
+        (lambda: parse_pass_curve("1,1.1,x"), "pass_curve must be numbers separated by commas"),
+        (lambda: parse_pass_curve(""), "pass_curve must be numbers separated by commas"),
+        (lambda: alpha_from_acceptance_rate(1.5, 4), "acceptance_rate must be in [0, 1]"),
+    ],
+)
+def test_bad_pass_costs_are_refused_by_name(call, words: str) -> None:
+    with pytest.raises(UnderstudyError, match=words.replace("[", r"\[").replace("]", r"\]")):
+        call()
+
+
+def test_parse_pass_curve() -> None:
+    assert parse_pass_curve("1,1.01, 1.06") == (1.0, 1.01, 1.06)
+    assert parse_pass_curve("1") == (1.0,)
+
+
+def test_alpha_from_acceptance_rate_inverts_the_expected_rate() -> None:
+    # a = 0.8, K = 4: accepted / drafted = 0.5904 (above), so 0.5904 at K = 4 reads as 0.8
+    assert alpha_from_acceptance_rate(0.5904, 4) == pytest.approx(0.8, abs=1e-12)
+    assert alpha_from_acceptance_rate(0.3, 1) == pytest.approx(0.3, abs=1e-12)  # K = 1: a
+    for rate in (0.0, 0.25, 0.9, 0.98, 1.0):
+        alpha = alpha_from_acceptance_rate(rate, 5)
+        assert expected_acceptance_rate(alpha, 5) == pytest.approx(rate, abs=1e-12)
 
 
 # --- Monte Carlo -----------------------------------------------------------------------------
@@ -264,6 +377,13 @@ def test_cli_short_k_and_table() -> None:
         ["--alpha", "0.8", "--c", "-1"],
         ["--alpha", "0.8", "--c", "0.1", "-k", "0"],
         ["--alpha", "0.8", "--c", "0.1", "--rounds", "0"],
+        ["--alpha", "0.8"],  # no c, and nothing to measure it
+        ["--alpha", "0.8", "--c", "0.1", "--row-cost", "-1"],
+        ["--alpha", "0.8", "--c", "0.1", "--pass-curve", "1,x"],
+        ["--alpha", "0.8", "--c", "0.1", "--pass-curve", "2,3"],
+        ["--alpha", "0.8", "--c", "0.1", "--pass-curve", "1,1.3,1.2"],
+        ["--alpha", "0.8", "--c", "0.1", "--row-cost", "0.1", "--pass-curve", "1,2"],
+        ["--alpha", "0.8", "--row-cost", "0.1", "--measure"],  # refused before any measuring
     ],
 )
 def test_cli_bad_input_is_one_line_exit_2(args: list[str]) -> None:
@@ -273,6 +393,55 @@ def test_cli_bad_input_is_one_line_exit_2(args: list[str]) -> None:
     assert result.stderr.startswith("error: ")
     assert result.stderr.count("\n") == 1
     assert "Traceback" not in result.stderr
+
+
+def _json(*args: str) -> dict:
+    result = _runner().invoke(_app(), ["simulate", *args, "--rounds", "2000", "--json"])
+    assert result.exit_code == 0, result.output
+    return json.loads(result.stdout)
+
+
+def test_cli_without_a_row_cost_says_rows_are_free() -> None:
+    data = _json("--alpha", "0.8", "--c", "0.1", "-k", "4")
+    assert data["pass_cost"] == {
+        "row_cost": 0.0,
+        "pass_curve": [],
+        "flat": True,
+        "model": "T(n) = 1, rows are free (v = 0: Leviathan et al.)",
+        "source": "none given: v = 0",
+    }
+    assert data["speedup"] == data["leviathan_speedup"] == pytest.approx(3.3616 / 1.4)
+    text = _runner().invoke(_app(), ["simulate", "--alpha", "0.8", "--c", "0.1"]).stdout
+    assert "rows are free" in text and "none given: v = 0" in text
+
+
+def test_cli_row_cost() -> None:
+    data = _json("--alpha", "0.8", "--c", "0.1", "-k", "4", "--row-cost", "0.1")
+    assert data["pass_cost"]["source"] == "--row-cost" and data["pass_cost"]["row_cost"] == 0.1
+    assert data["round_cost"] == pytest.approx(1.8)  # 4 * 0.1 + 1 + 4 * 0.1
+    assert data["speedup"] == pytest.approx(3.3616 / 1.8)
+    assert data["leviathan_speedup"] == pytest.approx(3.3616 / 1.4)
+    args = ["simulate", "--alpha", "0.8", "--c", "0.1", "--row-cost", "0.1"]
+    text = _runner().invoke(_app(), args).stdout
+    assert "T(n) = 1 + (n − 1)·0.1" in text and "speedup if rows were free" in text
+
+
+def test_cli_says_when_no_k_pays() -> None:
+    # a = 0.5, c = 0.5, v = 0.3: K = 1 gives 1.5 / (0.5 + 1.3) = 0.83, longer rounds less
+    args = ["simulate", "--alpha", "0.5", "--c", "0.5", "--row-cost", "0.3"]
+    assert "no K pays at these costs" in _runner().invoke(_app(), args).stdout
+    args = ["simulate", "--alpha", "0.5", "--c", "0.5"]  # 1.5 / 1.5 = 1.0 without the rows
+    assert "no K pays" not in _runner().invoke(_app(), args).stdout
+
+
+def test_cli_pass_curve_moves_the_optimal_k() -> None:
+    curve = "1,1,1,1,2,2,2,2"  # the stepped curve above: K = 3 beats the flat theory's K = 13
+    data = _json("--alpha", "0.9", "--c", "0.05", "--pass-curve", curve)
+    assert data["pass_cost"]["source"] == "--pass-curve"
+    assert data["pass_cost"]["pass_curve"] == [1.0, 1.0, 1.0, 1.0, 2.0, 2.0, 2.0, 2.0]
+    assert data["pass_cost"]["row_cost"] == pytest.approx(1 / 7)
+    assert (data["k"], data["optimal_k"], data["leviathan_optimal_k"]) == (3, 3, 13)
+    assert data["optimal_speedup"] == pytest.approx(3.439 / 1.15)
 
 
 def test_module_json_stdout_is_exactly_one_object() -> None:
@@ -322,3 +491,37 @@ def test_importing_theory_and_cli_does_not_import_torch() -> None:
 def test_sparkline() -> None:
     assert sparkline([1.0, 2.0, 3.0]) == "▁▅█"  # (2-1)/(3-1)*7 = 3.5 rounds to 4 -> "▅"
     assert sparkline([2.0, 2.0]) == "▅▅"  # flat curve: middle block
+
+
+# --- `make demo`: the bound for this machine --------------------------------------------------
+
+
+def test_the_demo_sets_the_prediction_beside_the_measurement() -> None:
+    from understudy.demo import machine_bound
+    from understudy.engine.stats import GenerationStats
+    from understudy.policy.costs import Costs, PassCurve
+
+    curve = (1.0, 1.1, 1.2, 1.3, 1.4, 1.5, 1.6, 1.7)
+    measured = PassCurve(tuple(range(1, len(curve) + 1)), curve)
+    costs = Costs(draft_step=0.25, row=0.1, pass_curve=measured)
+    # every guess kept (a = 1), 54 guesses over 10 rounds, all drafting: K = round(5.4) = 5,
+    # E = 6 tokens; a round costs 5 * 0.25 + T(6) = 1.25 + 1.5 = 2.75 -> 6 / 2.75 = 2.18x,
+    # and 6 / (1.25 + 1) = 2.67x if the 6-row pass cost one one-row pass
+    stats = GenerationStats("draft", "auto", rounds=10, drafted=54, accepted=54, acceptance_rate=1)
+    line = machine_bound(costs, stats, 10, 1.53)
+    assert "c = 0.25" in line and "a pass of 6 rows 1.50" in line
+    assert "acceptance 100% and K = 5 (the mean of the 10 of 10 rounds that drafted)" in line
+    assert "2.18x[/bold] predicted, 1.53x measured (2.67x if rows were free)" in line
+    padded = machine_bound(Costs(draft_step=0.25), stats, 10, 1.53)
+    assert "padded passes" in padded and "2.67x[/bold] predicted" in padded
+    # 3 of 10 rounds drafted 2 guesses each, all kept; 7 rounds of plain decoding:
+    # tokens 7 + 3 * 3 = 16, passes 7 + 3 * (2 * 0.25 + T(3) = 1.7) = 12.1 -> 1.32x;
+    # with free rows 7 + 3 * 1.5 = 11.5 -> 1.39x
+    rare = GenerationStats("draft", "auto", rounds=10, drafted=6, accepted=6, acceptance_rate=1)
+    line = machine_bound(costs, rare, 3, 1.2)
+    assert (
+        "K = 2 (the mean of the 3 of 10 rounds that drafted, 1 token a pass in the other 7)" in line
+    )
+    assert "1.32x[/bold] predicted, 1.20x measured (1.39x if rows were free)" in line
+    idle = GenerationStats("draft", "auto", rounds=10)
+    assert "drafted nothing" in machine_bound(costs, idle, 0, 1.0)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from test_exactness import P_THRESHOLD, WARPS, goodness_of_fit, random_prompts
 from understudy import Engine, SamplingParams
+from understudy.policy.costs import Costs
 from understudy.policy.tree_choice import TreeOrChain
 
 
@@ -29,7 +30,7 @@ def test_tries_both_then_keeps_the_better_shape():
     FAR_FACTOR x PROBE_EVERY rounds."""
     rarely = TreeOrChain.FAR_FACTOR * TreeOrChain.PROBE_EVERY
     for better in (True, False):
-        chooser = TreeOrChain(cost_ratio=0.1, row_cost=0.02, tree_node_cost=0.03)
+        chooser = TreeOrChain(Costs(draft_step=0.1, row=0.02, tree_node=0.03))
         emitted = {better: 5, not better: 2}
         shapes = run_rounds(chooser, emitted, 160)
         tries = 2 * TreeOrChain.MIN_TRIES
@@ -43,7 +44,7 @@ def test_a_close_loser_is_retried_more_often():
     """Shapes within FAR of each other (10 tokens a round against 9, equal costs): the loser
     is retried every PROBE_EVERY rounds."""
     for better in (True, False):
-        chooser = TreeOrChain(cost_ratio=0.1, row_cost=0.02, tree_node_cost=0.02)
+        chooser = TreeOrChain(Costs(draft_step=0.1, row=0.02, tree_node=0.02))
         shapes = run_rounds(chooser, {better: 10, not better: 9}, 86)
         later = shapes[2 * TreeOrChain.MIN_TRIES :]
         assert later.count(better) >= len(later) - len(later) // TreeOrChain.PROBE_EVERY - 1
@@ -52,7 +53,7 @@ def test_a_close_loser_is_retried_more_often():
 
 def test_cost_decides_when_tokens_tie():
     """Equal tokens per round: the shape whose rows cost less wins (v_tree > v here)."""
-    chooser = TreeOrChain(cost_ratio=0.1, row_cost=0.02, tree_node_cost=0.06)
+    chooser = TreeOrChain(Costs(draft_step=0.1, row=0.02, tree_node=0.06))
     shapes = run_rounds(chooser, {True: 4, False: 4}, 30)
     later = shapes[2 * TreeOrChain.MIN_TRIES :]
     assert later.count(False) > later.count(True)

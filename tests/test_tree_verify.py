@@ -213,9 +213,9 @@ def test_tree_sampling_matches_target_law(tree_sampling_engine, warp):
 def test_wrong_sibling_rule_fails_the_same_test(tree_sampling_engine, monkeypatch):
     """Mutation: accept each sibling with its ORIGINAL p(x), never removing the rejected ones
     from p (so sibling j is taken with prob prod(1 - p(x_l)) * p(x_j) < p(x_j))."""
-    import understudy.engine.engine as engine_module
+    import understudy.engine.verdict as verdict_module
 
-    monkeypatch.setattr(engine_module, "verify_tree_sampling", wrong_sibling_rule)
+    monkeypatch.setattr(verdict_module, "verify_tree_sampling", wrong_sibling_rule)
     params = SamplingParams(ignore_eos=True, **WARPS["top_k"])
     pvalue = goodness_of_fit(tree_sampling_engine, [11, 42, 7], params, samples=1500)
     assert pvalue < P_THRESHOLD, f"the wrong sibling rule was not detected (p = {pvalue:.3f})"

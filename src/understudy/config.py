@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from typing import Literal
 
 MAX_SPECULATIVE_TOKENS = 64
 MAX_LOGPROBS = 20  # alternatives per token, as vLLM's default limit
@@ -19,6 +20,15 @@ MAX_SEED = 2**64 - 1  # torch.Generator.manual_seed takes 64 bits
 # repetition_penalty divides positive logits: a divisor that rounds to 0 in float32 would
 # make them inf (and the distribution NaN), so it stays within a factor 1e6 either way.
 REPETITION_PENALTY_RANGE = (1e-6, 1e6)
+
+
+# The string modes callers choose from, as types; each is checked where it enters (the CLI,
+# the API, the builder) and tests hold each equal to the tuple its owner validates against.
+Method = Literal["none", "draft", "ngram", "suffix", "hybrid", "eagle"]  # engine/builder.py
+TreeMode = Literal["off", "on", "auto"]  # whether a drafter's rounds may draft token trees
+TREE_MODES: tuple[TreeMode, ...] = ("off", "on", "auto")
+DType = Literal["auto", "float32", "bfloat16", "float16"]  # auto: bf16 where native, else fp32
+Quantization = Literal["auto", "none", "gguf"]  # how a GGUF model runs (models/loader.py)
 
 
 class UnderstudyError(ValueError):
@@ -51,7 +61,7 @@ class StructuredSpec:
     array), `regex`, `grammar` (EBNF in the GBNF dialect) or `choice` (one of the strings).
     understudy.constraints.grammar compiles it; generation ends with EOS when it is complete."""
 
-    json_schema: dict | str | None = None
+    json_schema: dict[str, object] | str | None = None
     json_object: bool = False
     regex: str | None = None
     grammar: str | None = None
@@ -175,11 +185,11 @@ class SamplingParams:
         return self.temperature == 0.0
 
 
-def parse_num_speculative_tokens(value: int | str) -> int | str:
+def parse_num_speculative_tokens(value: int | str) -> int | Literal["auto"]:
     """Validate K: an int in 1..64, or "auto"."""
     if isinstance(value, str):
         if value == "auto":
-            return value
+            return "auto"
         try:
             value = int(value)
         except ValueError:

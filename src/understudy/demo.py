@@ -2,7 +2,8 @@
 
 Loads the packaged default pair (fetched and converted on first use, cached after), runs
 method="none" and method="draft" on one code prompt, greedy, and prints both outputs, whether
-they are identical, and the measured speedup.
+they are identical, the measured speedup, and beside it the speedup the theory predicts for
+this machine (policy/theory.py): the engine's measured costs, the run's acceptance and K.
 """
 
 from __future__ import annotations
@@ -11,7 +12,16 @@ from rich.console import Console
 from rich.table import Table
 
 from understudy.config import SamplingParams
+from understudy.engine.emitter import TokenEvent
 from understudy.engine.engine import Engine
+from understudy.engine.stats import GenerationStats
+from understudy.policy.costs import Costs
+from understudy.policy.theory import (
+    PassCost,
+    alpha_from_acceptance_rate,
+    expected_tokens_per_round,
+    round_cost,
+)
 
 PROMPT = (
     "def merge_sorted(a: list[int], b: list[int]) -> list[int]:\n"
@@ -30,16 +40,18 @@ def main(max_tokens: int = 96) -> None:
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0)
     plain.generate(PROMPT, SamplingParams(max_tokens=2, temperature=0.0))  # warm-up
     results = {}
+    origins: list[str] = []  # the speculative run's: a round that drafted ends corrected or bonus
+
+    def show(event: TokenEvent) -> None:
+        console.print(event.text, style=STYLE[event.origin], end="", markup=False)
+        origins.append(event.origin)
+
     for name, engine in (("plain (method=none)", plain), ("speculative (method=draft)", spec)):
         console.rule(name)
         console.print(PROMPT, end="", style="dim", markup=False)
-        out = engine.generate(
-            PROMPT,
-            params,
-            on_token=lambda e: console.print(e.text, style=STYLE[e.origin], end="", markup=False),
-        )
+        origins.clear()
+        results[name] = engine.generate(PROMPT, params, on_token=show)
         console.print()
-        results[name] = out
     console.rule("summary")
     console.print("[green]accepted[/green] [yellow]corrected[/yellow] [cyan]bonus[/cyan] target")
     table = Table()
@@ -59,8 +71,37 @@ def main(max_tokens: int = 96) -> None:
     base, fast = results.values()
     same = base.token_ids == fast.token_ids
     console.print(f"identical output: [bold]{'yes' if same else 'NO'}[/bold]")
-    console.print(
-        f"measured speedup: [bold]{fast.stats.tokens_per_s / base.stats.tokens_per_s:.2f}x[/bold]"
+    measured = fast.stats.tokens_per_s / base.stats.tokens_per_s
+    console.print(f"measured speedup: [bold]{measured:.2f}x[/bold]")
+    drafting = origins.count("corrected") + origins.count("bonus")
+    console.print(machine_bound(spec.costs, fast.stats, drafting, measured))
+
+
+def machine_bound(costs: Costs, stats: GenerationStats, drafting: int, measured: float) -> str:
+    """The theory at this machine's costs (c and the pass curve, measured when the engine was
+    built) and the run's own acceptance and K, beside the measured speedup and Leviathan et
+    al.'s flat-pass figure, which leaves the rows' cost out. A round that drafted yields E and
+    costs K·c + T(K+1); one of the run's other `stats.rounds - drafting` rounds (the engine's
+    automatic K judged a guess not worth it there) yields 1 token for 1 pass."""
+    if drafting == 0 or stats.drafted == 0:
+        return "the theory: the engine drafted nothing in this run (speculation did not pay)"
+    passes = PassCost(row=costs.row, curve=costs.pass_curve.ratios)
+    c, plain = costs.draft_step, stats.rounds - drafting
+    k = max(1, round(stats.drafted / drafting))
+    tokens = plain + drafting * expected_tokens_per_round(
+        alpha_from_acceptance_rate(stats.acceptance_rate, k), k
+    )
+    predicted = tokens / (plain + drafting * round_cost(k, c, passes))
+    free = tokens / (plain + drafting * round_cost(k, c))
+    how = "its measured pass curve" if costs.pass_curve else "padded passes: rows are free"
+    rest = f", 1 token a pass in the other {plain}" if plain else ""
+    return (
+        f"this machine: a draft step costs c = {c:.2f} one-row target passes, "
+        f"a pass of {k + 1} rows {passes.rows(k + 1):.2f} ({how})\n"
+        f"the theory at the run's acceptance {stats.acceptance_rate:.0%} and K = {k} "
+        f"(the mean of the {drafting} of {stats.rounds} rounds that drafted{rest}): "
+        f"E / (K·c + T(K+1)) = [bold]{predicted:.2f}x[/bold] predicted, {measured:.2f}x "
+        f"measured ({free:.2f}x if rows were free)"
     )
 
 

@@ -13,6 +13,7 @@ from typing import Any
 import torch
 
 from understudy.bench.prompts import DEFAULT_PER_CATEGORY
+from understudy.config import DType
 
 SCHEMA = "understudy-bench/1"
 
@@ -30,7 +31,7 @@ class BenchConfig:
     out: Path = field(default_factory=lambda: Path("bench-results"))
     target: str | None = None
     draft: str | None = None
-    dtype: str = "auto"
+    dtype: DType = "auto"
     max_context: int = 4096
     seed: int = 0
     warmup: bool = True

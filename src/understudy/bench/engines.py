@@ -18,16 +18,16 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from understudy.config import UnderstudyError, parse_num_speculative_tokens, parse_option_value
-from understudy.drafters import DRAFTERS
-from understudy.engine.builder import (
-    EngineSpec,
-    LoadedModels,
-    assemble,
-    default_draft,
-    load_draft,
-    resolve_draft_quantization,
+from understudy.config import (
+    DType,
+    Quantization,
+    UnderstudyError,
+    parse_num_speculative_tokens,
+    parse_option_value,
 )
+from understudy.drafters import DRAFTERS
+from understudy.engine.builder import EngineSpec, LoadedModels, assemble
+from understudy.engine.draft_setup import default_draft, load_draft, resolve_draft_quantization
 from understudy.engine.engine import Engine
 from understudy.models.loader import LoadedModel, load_model
 from understudy.models.registry import DEFAULT_TARGET
@@ -46,7 +46,7 @@ class MethodSpec:
 
     @property
     def needs_draft_model(self) -> bool:
-        return self.method != BASELINE and DRAFTERS[self.method].needs_draft_model
+        return self.method != BASELINE and DRAFTERS[self.method].traits.needs_draft_model
 
 
 def registered_methods() -> tuple[str, ...]:
@@ -95,9 +95,9 @@ class ModelPool:
         self,
         target: str | None,
         draft: str | None,
-        dtype: str,
+        dtype: DType,
         device: str | None = None,
-        quantization: str = "auto",
+        quantization: Quantization = "auto",
     ) -> None:
         self.dtype, self.device, self.quantization = dtype, device, quantization
         self.target = load_model(target or DEFAULT_TARGET, dtype, device, quantization)

@@ -116,7 +116,7 @@ class LlamaCppPrograms:
 
 
 def default_bin_dir() -> Path:
-    from understudy.models.fetch import cache_dir
+    from understudy.cache import cache_dir
 
     return cache_dir() / "llama.cpp" / "bin"
 

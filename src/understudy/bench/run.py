@@ -44,7 +44,7 @@ from understudy.bench.prompts import (
 from understudy.bench.report import NOTES, markdown_table, rich_table
 from understudy.bench.summary import identity_flags, summarize
 from understudy.config import SamplingParams, UnderstudyError, parse_num_speculative_tokens
-from understudy.engine.builder import resolve_draft_quantization
+from understudy.engine.draft_setup import resolve_draft_quantization
 from understudy.models.registry import DEFAULT_TARGET
 
 WARMUP_TOKENS = 4
@@ -240,6 +240,9 @@ class Bench:
         )
 
     def run(self) -> dict[str, Any]:
+        """Build every engine, then run every repeat of every prompt with every method;
+        on Ctrl-C the runs so far are kept. Writes out/results.json (after every run), the
+        table and the plots."""
         from tqdm import tqdm
 
         cfg = self.cfg
@@ -247,30 +250,7 @@ class Bench:
         out = Path(cfg.out)
         out.mkdir(parents=True, exist_ok=True)
         self._build()
-        res = self.results = {
-            "schema": SCHEMA,
-            "command": cfg.command(),
-            "config": {**asdict(cfg), "out": str(cfg.out)},
-            "environment": environment(self.target_model),
-            "baseline": BASELINE,
-            "labels": self.labels,
-            "categories": self.categories,
-            "engines": self._describe(),
-            "prompts": [
-                {
-                    "id": p.id,
-                    "category": p.category,
-                    "source": p.source,
-                    "prompt_tokens": len(self.prompt_ids[p.id]),
-                }
-                for p in self.prompts
-            ],
-            "started_at": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-            "loadavg_start": loadavg(),
-            "planned_runs": cfg.repeats * len(self.prompts) * len(self.labels),
-            "runs": [],
-            "llama_bench_interleaved": [],
-        }
+        res = self.results = self._fresh_results()
         done = self._resume(out / "results.json") if cfg.resume else set()
         started = time.perf_counter()
         interrupted = False
@@ -281,37 +261,8 @@ class Bench:
                 self._warmup()
             for rep in range(cfg.repeats):
                 for i, p in enumerate(self.prompts):
-                    if (rep, p.id) in done:
-                        continue
-                    shift = (i + rep) % len(self.labels)
-                    order = self.labels[shift:] + self.labels[:shift]
-                    for slot, label in enumerate(order):
-                        bar.set_description(f"r{rep} {p.id} {label}")
-                        token_ids, text, stats = self._one(
-                            label, p, self.prompt_ids[p.id], self.params
-                        )
-                        res["runs"].append(
-                            {
-                                "label": label,
-                                "prompt_id": p.id,
-                                "category": p.category,
-                                "repeat": rep,
-                                "slot": slot,
-                                "loadavg": loadavg(),
-                                "token_ids": token_ids,
-                                "text": text,
-                                "stats": stats,
-                            }
-                        )
-                        bar.update(1)
-                        write_json(out / "results.json", res)
-                    if self.llama is not None:
-                        bar.set_description(f"r{rep} {p.id} llama-bench tg")
-                        row = self.llama.llama_bench_tg(cfg.max_tokens)
-                        res["llama_bench_interleaved"].append(
-                            {"prompt_id": p.id, "repeat": rep, "tokens_per_s": row.tokens_per_s}
-                        )
-                        write_json(out / "results.json", res)
+                    if (rep, p.id) not in done:
+                        self._run_prompt(rep, i, p, bar, out / "results.json")
             if self.llama is not None:
                 with self.console.status("llama-bench on the GGUF files..."):
                     rows = self.llama.llama_bench(tg=cfg.max_tokens)
@@ -324,6 +275,64 @@ class Bench:
             self._finalize(interrupted, started)
             self._outputs()
         return res
+
+    def _fresh_results(self) -> dict[str, Any]:
+        """The results before any run: the command, the machine, the engines, the prompts."""
+        cfg = self.cfg
+        prompts = [
+            {"id": p.id, "category": p.category, "source": p.source,
+             "prompt_tokens": len(self.prompt_ids[p.id])}
+            for p in self.prompts
+        ]  # fmt: skip
+        return {
+            "schema": SCHEMA,
+            "command": cfg.command(),
+            "config": {**asdict(cfg), "out": str(cfg.out)},
+            "environment": environment(self.target_model),
+            "baseline": BASELINE,
+            "labels": self.labels,
+            "categories": self.categories,
+            "engines": self._describe(),
+            "prompts": prompts,
+            "started_at": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+            "loadavg_start": loadavg(),
+            "planned_runs": cfg.repeats * len(self.prompts) * len(self.labels),
+            "runs": [],
+            "llama_bench_interleaved": [],
+        }
+
+    def _run_prompt(self, rep: int, i: int, p: BenchPrompt, bar: Any, path: Path) -> None:
+        """Every method on the i-th prompt in repeat `rep`, the first one rotating from
+        prompt to prompt (a machine's slow drift falls on all alike); then llama-bench's tg
+        beside them. `path` (results.json) is rewritten after each run."""
+        res = self.results
+        shift = (i + rep) % len(self.labels)
+        order = self.labels[shift:] + self.labels[:shift]
+        for slot, label in enumerate(order):
+            bar.set_description(f"r{rep} {p.id} {label}")
+            token_ids, text, stats = self._one(label, p, self.prompt_ids[p.id], self.params)
+            res["runs"].append(
+                {
+                    "label": label,
+                    "prompt_id": p.id,
+                    "category": p.category,
+                    "repeat": rep,
+                    "slot": slot,
+                    "loadavg": loadavg(),
+                    "token_ids": token_ids,
+                    "text": text,
+                    "stats": stats,
+                }
+            )
+            bar.update(1)
+            write_json(path, res)
+        if self.llama is not None:
+            bar.set_description(f"r{rep} {p.id} llama-bench tg")
+            row = self.llama.llama_bench_tg(self.cfg.max_tokens)
+            res["llama_bench_interleaved"].append(
+                {"prompt_id": p.id, "repeat": rep, "tokens_per_s": row.tokens_per_s}
+            )
+            write_json(path, res)
 
     def _resume(self, path: Path) -> set[tuple[int, str]]:
         """Take over the runs of every (repeat, prompt) that an earlier, interrupted run of the

@@ -22,11 +22,7 @@ one machine: the ratios within one run are the result (a shared machine moves th
 from __future__ import annotations
 
 import json
-import os
-import socket
 import statistics
-import subprocess
-import sys
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -36,12 +32,13 @@ from typing import Any
 
 import httpx
 
+from understudy.bench import vllm_peer
 from understudy.bench.config import loadavg, write_json
 from understudy.bench.prompts import BenchPrompt, load_prompts
-from understudy.config import UnderstudyError
+from understudy.bench.server_process import ServerUnderTest
+from understudy.config import DType, UnderstudyError
 
 SCHEMA = "understudy-serving-bench/1"
-STARTUP_S = 900.0  # loading real models and measuring their costs, on a slow CPU
 REQUEST_TIMEOUT_S = 1800.0
 
 
@@ -58,7 +55,7 @@ class ServingConfig:
     per_category: int = 0
     target: str | None = None
     draft: str | None = None
-    dtype: str = "auto"
+    dtype: DType = "auto"
     max_context: int = 4096
     out: Path = Path("bench-results")
     compare: list[str] = field(default_factory=list)  # the vLLM peer's labels (vllm_peer.py)
@@ -77,9 +74,7 @@ class ServingConfig:
                 raise UnderstudyError(
                     f"serving mode takes method names ({', '.join(METHODS)}), got {method!r}"
                 )
-        from understudy.bench.vllm_peer import vllm_labels
-
-        self.compare = vllm_labels(self.compare)
+        self.compare = vllm_peer.vllm_labels(self.compare)
 
 
 @dataclass
@@ -88,12 +83,6 @@ class Reply:
     tokens: int
     latency_s: float
     ttft_s: float | None
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def parse_concurrency(text: str) -> list[int]:
@@ -105,51 +94,6 @@ def parse_concurrency(text: str) -> list[int]:
     if not levels or levels[0] < 1:
         raise UnderstudyError(f"--concurrency takes integers >= 1, got {text!r}")
     return levels
-
-
-class ServerUnderTest:
-    """A server as a child process on a free loopback port, up (its /health answers 200) until
-    `stop()`: `python -m understudy.cli.serve ARGS`, or the command `launch(port)` gives (a
-    peer's server), with `env` added to its environment. `health` is /health's JSON, or {}."""
-
-    def __init__(self, args: list[str], log_path: Path, *, env: dict[str, str] | None = None,
-                 launch: Callable[[int], list[str]] | None = None) -> None:  # fmt: skip
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.log_path = log_path
-        self._log = open(log_path, "w")  # noqa: SIM115 (closed in stop)
-        ours = [sys.executable, "-m", "understudy.cli.serve", *args, "--port", str(self.port)]
-        command = launch(self.port) if launch is not None else ours
-        self.proc = subprocess.Popen(command, stdout=self._log, stderr=subprocess.STDOUT,
-                                     env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})})  # fmt: skip
-        deadline = time.monotonic() + STARTUP_S
-        while True:
-            if self.proc.poll() is not None:
-                self._log.close()
-                tail = log_path.read_text(errors="replace")[-2000:]
-                raise UnderstudyError(f"the server exited with {self.proc.returncode}:\n{tail}")
-            try:
-                if httpx.get(self.url + "/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            if time.monotonic() > deadline:
-                self.stop()
-                raise UnderstudyError(f"the server did not start in {STARTUP_S:.0f} s")
-            time.sleep(0.5)
-        try:
-            self.health: dict[str, Any] = httpx.get(self.url + "/health", timeout=10).json()
-        except ValueError:  # a peer's /health may answer 200 with no body
-            self.health = {}
-
-    def stop(self) -> None:
-        self.proc.terminate()
-        try:
-            self.proc.wait(60)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait(10)
-        self._log.close()
 
 
 def request_body(prompt: BenchPrompt, model: str, config: ServingConfig) -> tuple[str, dict]:
@@ -254,11 +198,9 @@ def run_serving(config: ServingConfig, say: Callable[[str], None]) -> dict[str, 
                                                 config.out / f"server-{m}.log"))
                 for m in config.methods]  # fmt: skip
     if config.compare:
-        from understudy.bench import vllm_peer
-
         say("finding vLLM and its weights ...")
         setup = vllm_peer.prepare(config.compare, config.target, config.draft)
-        starters += [(p, lambda p=p: vllm_peer.start(setup, p, config)) for p in config.compare]
+        starters += [(p, lambda p=p: start_peer(setup, p, config)) for p in config.compare]
     references: dict[str, list[str]] = {}
     for label, launch in starters:
         say(f"starting the server: {label} ...")
@@ -271,6 +213,13 @@ def run_serving(config: ServingConfig, say: Callable[[str], None]) -> dict[str, 
         finally:
             server.stop()
     return results
+
+
+def start_peer(setup: vllm_peer.VllmSetup, label: str, config: ServingConfig) -> ServerUnderTest:
+    """The vLLM peer's server for `label`, sized as ours (seats for the largest concurrency)."""
+    log_path = config.out / f"server-{label}.log"
+    return vllm_peer.start(setup, label, log_path, max_num_seqs=max(config.concurrency),
+                           max_context=config.max_context, seed=config.seed)  # fmt: skip
 
 
 def measure(server: ServerUnderTest, label: str, chosen: list[BenchPrompt],

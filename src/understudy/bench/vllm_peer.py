@@ -32,12 +32,10 @@ import re
 import subprocess
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
+from understudy.bench.server_process import ServerUnderTest
 from understudy.config import MAX_SPECULATIVE_TOKENS, UnderstudyError
-
-if TYPE_CHECKING:
-    from understudy.bench.serving import ServerUnderTest, ServingConfig
 
 PYTHON_ENV = "UNDERSTUDY_VLLM_PYTHON"
 VLLM = "vllm"  # --compare vllm = PLAIN and DRAFT
@@ -130,7 +128,7 @@ class VllmSetup:
 def prepare(labels: list[str], target: str | None, draft: str | None) -> VllmSetup:
     """Find vLLM and make its weights (once), before any server starts."""
     from understudy.bench.vllm_weights import peer_weights
-    from understudy.engine.builder import default_draft
+    from understudy.engine.draft_setup import default_draft
     from understudy.models.registry import DEFAULT_TARGET
 
     python = find_python()
@@ -192,16 +190,15 @@ def describe(setup: VllmSetup, label: str, env: dict[str, str]) -> dict[str, Any
     }
 
 
-def start(setup: VllmSetup, label: str, config: ServingConfig) -> ServerUnderTest:
-    """One vLLM server for `label`, up; its `health` is `describe`'s record."""
-    from understudy.bench.serving import ServerUnderTest
-
+def start(setup: VllmSetup, label: str, log_path: Path, max_num_seqs: int, max_context: int,
+          seed: int) -> ServerUnderTest:  # fmt: skip
+    """One vLLM server for `label`, up, logging to `log_path`; its `health` is `describe`'s
+    record."""
     env = environment(setup.python)
 
     def launch(port: int) -> list[str]:
-        return command(setup, label, port, max(config.concurrency), config.max_context,
-                       config.seed)  # fmt: skip
+        return command(setup, label, port, max_num_seqs, max_context, seed)
 
-    server = ServerUnderTest([], config.out / f"server-{label}.log", launch=launch, env=env)
+    server = ServerUnderTest([], log_path, launch=launch, env=env)
     server.health = describe(setup, label, env)
     return server

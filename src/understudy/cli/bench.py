@@ -7,8 +7,10 @@
     understudy bench --per-category 0                  # every shipped prompt
     understudy bench --concurrency 1,2,4,8,16          # serving: the HTTP server under load
     understudy bench --concurrency 1,2,4,8 --compare vllm   # + vLLM's server (vllm_peer.py)
+    understudy bench --soak --clients 32 --duration 10m    # soak: invariants under load (soak.py)
 
-Writes OUT/results.json (rewritten after every run), OUT/results.md and OUT/*.png.
+Writes OUT/results.json (rewritten after every run), OUT/results.md and OUT/*.png; the
+soak run OUT/soak.json, and it exits 1 when one of its invariants fails.
 Ctrl-C stops early and keeps what has been measured.
 """
 
@@ -20,8 +22,10 @@ from typing import Annotated
 import typer
 
 from understudy.bench.prompts import DEFAULT_PER_CATEGORY
+from understudy.config import DType
 
 INTERRUPTED_EXIT_CODE = 130
+SOAK_FAILED_EXIT_CODE = 1
 
 
 def bench(
@@ -34,12 +38,13 @@ def bench(
         ),
     ] = None,
     methods: Annotated[
-        str,
+        str | None,
         typer.Option(
             help="Comma-separated methods, each optionally with options, e.g. "
-            "none,draft,draft:k=2,ngram. 'none' (the baseline) is always run."
+            "none,draft,draft:k=2,ngram. 'none' (the baseline) is always run. Default: "
+            "none,draft; the soak run takes one method name (default: the server's)."
         ),
-    ] = "none,draft",
+    ] = None,
     k: Annotated[
         str, typer.Option("-k", "--k", help="num_speculative_tokens: 1..64 or auto.")
     ] = "auto",
@@ -79,7 +84,9 @@ def bench(
         str | None, typer.Option(help="Target model: registry name, HF id, directory or .gguf.")
     ] = None,
     draft: Annotated[str | None, typer.Option(help="Draft model.")] = None,
-    dtype: Annotated[str, typer.Option(help="auto | float32 | bfloat16 | float16")] = "auto",
+    dtype: Annotated[
+        DType, typer.Option(help="Weights' dtype (auto: bf16 where native).")
+    ] = "auto",
     max_context: Annotated[int, typer.Option(help="Prompt + generation, in tokens.")] = 4096,
     seed: Annotated[int, typer.Option(help="Sampling seed (temperature > 0).")] = 0,
     progress: Annotated[bool, typer.Option(help="Show progress bars.")] = True,
@@ -95,6 +102,24 @@ def bench(
     requests: Annotated[
         int | None,
         typer.Option(help="Serving mode: requests at each concurrency (default: the largest)."),
+    ] = None,
+    soak: Annotated[
+        bool,
+        typer.Option(
+            help="Soak run: --clients clients send a seeded mix of requests (both routes, "
+            "streamed, cancelled, n > 1, logprobs, constrained, sampled, malformed) to one "
+            "real server for --duration; checks no 5xx, every status as it must be, greedy "
+            "answers equal to their solo answers, flat resident memory, no leaked seat."
+        ),
+    ] = False,
+    clients: Annotated[
+        int | None, typer.Option(help="Soak run: concurrent clients (default 32).")
+    ] = None,
+    duration: Annotated[
+        str | None,
+        typer.Option(
+            help="Soak run: how long the clients send: seconds, or 90s, 10m, 1h (default 10m)."
+        ),
     ] = None,
     resume: Annotated[
         bool,
@@ -113,6 +138,19 @@ def bench(
 
     specs = [s.strip() for item in prompts or [] for s in item.split(",") if s.strip()]
     err = Console(stderr=True, highlight=False)
+    if soak:
+        refused = [flag for flag, used in (
+            ("--concurrency", concurrency is not None), ("--requests", requests is not None),
+            ("--compare", compare is not None), ("--repeats", repeats != 1),
+            ("--resume", resume), ("--llama-cpp-bin", llama_cpp_bin is not None),
+            ("--temperature (it mixes its own)", temperature != 0)) if used]  # fmt: skip
+        soak_run(err, refused, specs or None, methods, k, max_tokens, per_category, out, target,
+                 draft, dtype, max_context, seed, progress, clients, duration)  # fmt: skip
+        return
+    if clients is not None or duration is not None:
+        err.print("[red]error:[/red] --clients and --duration belong to the soak run: give --soak")
+        raise typer.Exit(2)
+    methods = methods or "none,draft"
     if concurrency is not None:
         from understudy.bench.vllm_peer import is_vllm
 
@@ -204,6 +242,44 @@ def serving(err, prompts, methods, k, max_tokens, temperature, per_category, out
     picture = serving_report.plot(results, out)
     Console(highlight=False, width=160).print(serving_report.rich_table(results))
     err.print(f"[dim]wrote {out / 'serving.json'}, {out / 'serving.md'}, {picture}[/dim]")
+
+
+def soak_run(err, refused, prompts, method, k, max_tokens, per_category, out, target, draft,
+             dtype, max_context, seed, progress, clients, duration) -> None:  # fmt: skip
+    """`understudy bench --soak`: the soak run (bench/soak.py); exits 1 if an invariant fails.
+    `refused`: the flags of other modes that were given."""
+    from rich.console import Console
+
+    from understudy.bench.soak import SoakConfig, parse_duration, run_soak
+    from understudy.bench.soak_report import rich_tables
+    from understudy.config import UnderstudyError
+
+    if refused:
+        err.print(f"[red]error:[/red] the soak run (--soak) does not take {refused[0]}")
+        raise typer.Exit(2)
+    try:
+        config = SoakConfig(
+            clients=32 if clients is None else clients,
+            duration_s=parse_duration(duration or "10m"),
+            method=method, k=k, max_tokens=max_tokens, seed=seed, prompts=prompts,
+            per_category=per_category, target=target, draft=draft, dtype=dtype,
+            max_context=max_context, out=out,
+        )  # fmt: skip
+        say = (lambda line: err.print(f"[dim]{line}[/dim]")) if progress else (lambda line: None)
+        results = run_soak(config, say)
+    except UnderstudyError as error:
+        err.print(f"[red]error:[/red] {error}")
+        raise typer.Exit(2) from None
+    except KeyboardInterrupt:
+        err.print("[yellow]interrupted[/yellow]: a soak run is judged whole; nothing was kept")
+        raise typer.Exit(INTERRUPTED_EXIT_CODE) from None
+    console = Console(highlight=False, width=160)
+    for table in rich_tables(results):
+        console.print(table)
+    verdict = "every invariant held" if results["ok"] else "[red]an invariant failed[/red]"
+    err.print(f"{verdict}; wrote {out / 'soak.json'}")
+    if not results["ok"]:
+        raise typer.Exit(SOAK_FAILED_EXIT_CODE)
 
 
 def main() -> None:

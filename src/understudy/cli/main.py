@@ -15,9 +15,11 @@ from rich.console import Console
 
 from understudy.cli.bench import bench
 from understudy.cli.common import fail
+from understudy.cli.inspect import inspect_command
 from understudy.cli.serve import serve
 from understudy.cli.simulate import simulate
 from understudy.cli.train_head import pack_head_command, train_head_command
+from understudy.config import DType, Method, Quantization
 
 app = typer.Typer(
     help="Lossless speculative decoding: a cheap drafter guesses, the target verifies.",
@@ -35,6 +37,9 @@ app.command(
 app.command("pack-head", help="Pack a trained head (int4) to ship it with the package.")(
     pack_head_command
 )
+app.command(
+    "inspect", short_help="What the engine would do with a model, without loading its weights."
+)(inspect_command)
 app.command("serve", help="Serve the engine over OpenAI's HTTP API, with the live Lab at /lab.")(
     serve
 )
@@ -53,7 +58,7 @@ def generate(
         typer.Option(help="Draft model (method=draft) or trained head folder (method=eagle)."),
     ] = None,
     method: Annotated[
-        str, typer.Option(help="none | draft | ngram | suffix | hybrid | eagle")
+        Method, typer.Option(help="The drafter, or none (plain decoding).")
     ] = "draft",
     k: Annotated[
         str,
@@ -74,10 +79,11 @@ def generate(
     json_out: Annotated[
         bool, typer.Option("--json", help="Print one JSON object instead of streaming.")
     ] = False,
-    dtype: Annotated[str, typer.Option(help="auto | float32 | bfloat16 | float16")] = "auto",
+    dtype: Annotated[
+        DType, typer.Option(help="Weights' dtype (auto: bf16 where native).")
+    ] = "auto",
     quantization: Annotated[
-        str,
-        typer.Option(help="auto | none | gguf (a GGUF model from its own blocks, on a CPU)."),
+        Quantization, typer.Option(help="gguf: a GGUF model from its own blocks, on a CPU.")
     ] = "auto",
     max_context: Annotated[int, typer.Option(help="Prompt + generation, in tokens.")] = 4096,
     draft_quantization: Annotated[

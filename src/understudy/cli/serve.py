@@ -13,10 +13,16 @@ seconds, its body within --body-timeout, and an idle keep-alive connection close
 
 from __future__ import annotations
 
-import signal
-from typing import Annotated
+from collections.abc import Callable
+from typing import Annotated, Any, Literal, NoReturn
 
 import typer
+from rich.console import Console
+
+from understudy.cli.common import exit_zero_after_drain
+from understudy.config import DType, Method, Quantization
+
+LogLevel = Literal["critical", "error", "warning", "info", "debug", "trace"]  # uvicorn's
 
 ERROR_EXIT_CODE = 2
 
@@ -27,7 +33,7 @@ def serve(
     ] = None,
     draft: Annotated[str | None, typer.Option(help="Draft model (method=draft).")] = None,
     method: Annotated[
-        str, typer.Option(help="none | draft | ngram | suffix | hybrid | eagle")
+        Method, typer.Option(help="The drafter, or none (plain decoding).")
     ] = "draft",
     k: Annotated[
         str,
@@ -65,10 +71,11 @@ def serve(
     served_model_name: Annotated[
         str | None, typer.Option(help="The model id clients send (default: the target's name).")
     ] = None,
-    dtype: Annotated[str, typer.Option(help="auto | float32 | bfloat16 | float16")] = "auto",
+    dtype: Annotated[
+        DType, typer.Option(help="Weights' dtype (auto: bf16 where native).")
+    ] = "auto",
     quantization: Annotated[
-        str,
-        typer.Option(help="auto | none | gguf (a GGUF model from its own blocks, on a CPU)."),
+        Quantization, typer.Option(help="gguf: a GGUF model from its own blocks, on a CPU.")
     ] = "auto",
     max_context: Annotated[int, typer.Option(help="Prompt + generation, in tokens.")] = 4096,
     max_body_bytes: Annotated[int, typer.Option(help="Largest request body accepted.")] = 1 << 20,
@@ -89,7 +96,7 @@ def serve(
     drain_timeout: Annotated[
         float, typer.Option(help="On SIGTERM, seconds to let requests in flight finish.")
     ] = 120.0,
-    log_level: Annotated[str, typer.Option(help="uvicorn log level.")] = "info",
+    log_level: Annotated[LogLevel, typer.Option(help="uvicorn log level.")] = "info",
     replicas: Annotated[
         int | None,
         typer.Option(
@@ -115,44 +122,25 @@ def serve(
     ] = 1.0,
 ) -> None:
     """Serve the engine over OpenAI's HTTP API, with the live Lab at /lab."""
-    from rich.console import Console
-
     err = Console(stderr=True, highlight=False, soft_wrap=True)
 
-    def fail(message: str) -> None:
+    def fail(message: str) -> NoReturn:
         err.print(f"[red]error:[/red] {message}")
         raise typer.Exit(ERROR_EXIT_CODE)
 
-    if not 1 <= port <= 65535:
-        fail(f"--port must be in 1..65535, got {port}")
-    if max_queue < 0:
-        fail(f"--max-queue must be >= 0, got {max_queue}")
-    seqs: int | str = max_num_seqs
-    if max_num_seqs != "auto":
-        if not max_num_seqs.isdecimal() or int(max_num_seqs) < 1:
-            fail(f"--max-num-seqs must be an integer >= 1 or auto, got {max_num_seqs!r}")
-        seqs = int(max_num_seqs)
-    if max_body_bytes < 1024:
-        fail(f"--max-body-bytes must be at least 1024, got {max_body_bytes}")
-    for flag, seconds in (("--header-timeout", header_timeout), ("--body-timeout", body_timeout),
-                          ("--keep-alive-timeout", keep_alive_timeout)):  # fmt: skip
-        if not 0 < seconds < float("inf"):
-            fail(f"{flag} must be a positive number of seconds, got {seconds}")
-    try:
-        import uvicorn
+    timeouts = {"--header-timeout": header_timeout, "--body-timeout": body_timeout,
+                "--keep-alive-timeout": keep_alive_timeout}  # fmt: skip
+    seqs = checked_flags(fail, port, max_queue, max_num_seqs, max_body_bytes, timeouts)
+    try:  # what serving needs, before anything starts
+        import uvicorn  # noqa: F401
 
-        from understudy.server import create_app
+        from understudy.server import create_app  # noqa: F401
         from understudy.server.guard import api_key_problem, head_timeout_protocol
     except ImportError as error:
         fail(f"serving needs fastapi and uvicorn ({error}): pip install 'understudy[serve]'")
-        return
     problem = api_key_problem(api_key)
     if problem is not None:
         fail(f"--api-key (or UNDERSTUDY_API_KEY): {problem}")
-
-    from understudy.config import UnderstudyError
-    from understudy.engine.engine import Engine
-
     engine_options = dict(
         target=target,
         draft=draft,
@@ -187,31 +175,65 @@ def serve(
             replicas, min_replicas, max_replicas, replica_cpus, ray_address,
         )  # fmt: skip
         return
-    err.print(f"loading {target or 'the default pair'} (method={method}, k={k}) ...")
+    serve_in_process(err, fail, engine_options, app_options, uvicorn_options)
+
+
+def checked_flags(
+    fail: Callable[[str], NoReturn],
+    port: int,
+    max_queue: int,
+    max_num_seqs: str,
+    max_body_bytes: int,
+    timeouts: dict[str, float],
+) -> int | Literal["auto"]:
+    """`fail` on the first flag out of its range (a timeout: flag -> seconds); else
+    --max-num-seqs as the engine takes it."""
+    if not 1 <= port <= 65535:
+        fail(f"--port must be in 1..65535, got {port}")
+    if max_queue < 0:
+        fail(f"--max-queue must be >= 0, got {max_queue}")
+    if max_num_seqs != "auto" and (not max_num_seqs.isdecimal() or int(max_num_seqs) < 1):
+        fail(f"--max-num-seqs must be an integer >= 1 or auto, got {max_num_seqs!r}")
+    if max_body_bytes < 1024:
+        fail(f"--max-body-bytes must be at least 1024, got {max_body_bytes}")
+    for flag, seconds in timeouts.items():
+        if not 0 < seconds < float("inf"):
+            fail(f"{flag} must be a positive number of seconds, got {seconds}")
+    return "auto" if max_num_seqs == "auto" else int(max_num_seqs)
+
+
+def serve_in_process(
+    err: Console,
+    fail: Callable[[str], NoReturn],
+    engine_options: dict[str, Any],
+    app_options: dict[str, Any],
+    uvicorn_options: dict[str, Any],
+) -> None:
+    """Load the engine here and serve it with uvicorn until SIGTERM (then exit with 0)."""
+    import uvicorn
+
+    from understudy.config import UnderstudyError
+    from understudy.engine.engine import Engine
+    from understudy.server import create_app
+
+    shown_target = engine_options["target"] or "the default pair"
+    method, k = engine_options["method"], engine_options["num_speculative_tokens"]
+    err.print(f"loading {shown_target} (method={method}, k={k}) ...")
     try:
         engine = Engine.from_pretrained(**engine_options)
     except UnderstudyError as error:
         fail(str(error))
-        return
     app = create_app(engine, **app_options)
-    name = app.state.model_name
+    host, port = uvicorn_options["host"], uvicorn_options["port"]
     shown = f"[{host}]" if ":" in host else host
     err.print(
-        f"serving [bold]{name}[/bold] ({engine.method}, k={engine.k}, "
-        f"{len(engine.batch.seats)} seqs at once) on "
+        f"serving [bold]{app.state.model_name}[/bold] ({engine.method}, k={engine.k}, "
+        f"{len(engine.scheduler.seats)} seqs at once) on "
         f"http://{shown}:{port}/v1   Lab: http://{shown}:{port}/lab"
-        + ("   (API key required)" if api_key else "")
+        + ("   (API key required)" if app_options["api_key"] else "")
     )
-    # uvicorn handles SIGTERM/SIGINT itself (stop accepting, drain, shut down), then raises
-    # the signal again under the handler that was there before it: make that one a no-op,
-    # so a drained server exits with status 0 instead of dying by the signal.
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, _drained)
+    exit_zero_after_drain()
     uvicorn.run(app, **uvicorn_options)
-
-
-def _drained(signum: int, frame: object) -> None:
-    """The signal arrives again once uvicorn has drained: nothing left to do."""
 
 
 def main() -> None:

@@ -3,11 +3,12 @@ server/replicas.py (flag checks, messages, signals); the serving itself lives th
 
 from __future__ import annotations
 
-import signal
 from collections.abc import Callable
 from typing import Any
 
 from rich.console import Console
+
+from understudy.cli.common import exit_zero_after_drain
 
 
 def serve_on_replicas(
@@ -23,7 +24,6 @@ def serve_on_replicas(
     ray_address: str | None,
 ) -> None:
     """Serve through Ray Serve until SIGTERM; `fail` (which exits) on any problem."""
-    from understudy.cli.serve import _drained
     from understudy.config import UnderstudyError
 
     if replicas is None:
@@ -45,10 +45,7 @@ def serve_on_replicas(
             f"replica(s) at http://{shown}:{port}/v1   Lab: http://{shown}:{port}/lab"
             + ("   (API key required)" if app_options["api_key"] else "")
         )
-        # as in the single-process server: uvicorn drains on SIGTERM/SIGINT, then raises the
-        # signal again under this no-op handler, so the replicas and Ray stop before exit 0.
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            signal.signal(sig, _drained)
+        exit_zero_after_drain()  # so the replicas and Ray stop before the exit with 0
 
     try:
         serve_replicas(

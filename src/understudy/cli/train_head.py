@@ -18,15 +18,12 @@ import hashlib
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated, Any
+from typing import Annotated, Any
 
 import typer
 from rich.console import Console
 
 from understudy.head.shards import SHARD
-
-if TYPE_CHECKING:
-    from understudy.models.loader import LoadedModel
 
 
 def whole_shards(count: int) -> int:
@@ -110,15 +107,18 @@ def train_head_command(
     from understudy.drafters.eagle import default_head_dir
     from understudy.head.pipeline import HeadSettings, train_head
     from understudy.head.train import TrainConfig
+    from understudy.models.hf_fallback import refuse_on_fallback
+    from understudy.models.loader import load_model
+    from understudy.models.registry import DEFAULT_TARGET
 
-    problem = option_problem(
-        tokens, seq_len, self_tokens, opener_tokens, self_len, epochs, batch, unroll,
-        intermediate_size, draft_vocab, lr, feature_noise, precision, init,
-    )  # fmt: skip
+    sizes = TextSizes(tokens, seq_len, self_tokens, opener_tokens, self_len)
+    problem = sizes.problem() or _option_problem(
+        epochs, batch, unroll, intermediate_size, draft_vocab, init, lr, feature_noise, precision
+    )
     layers = parse_feature_layers(feature_layers)
     if problem is None and layers is False:
         problem = f"--feature-layers must be auto, final or layer indices, got {feature_layers!r}"
-    if problem is not None:
+    if problem:
         fail(problem)
     train_cfg = TrainConfig(
         epochs=epochs,
@@ -130,9 +130,11 @@ def train_head_command(
     )
     err = Console(stderr=True, highlight=False)
     try:
-        loaded = load_target(target)
-        text = TrainingText.read(loaded.tokenizer, data, tokens, seq_len, self_tokens,
-                                 opener_tokens, self_len)  # fmt: skip
+        loaded = load_model(target or DEFAULT_TARGET)
+        refuse_on_fallback(loaded, None, wants_hidden=True)  # a head reads hidden states
+        if loaded.tokenizer is None:
+            raise UnderstudyError(f"target {loaded.name!r} has no tokenizer: cannot read text")
+        text = training_text(loaded.tokenizer, data, sizes)
         folder = out or default_head_dir(loaded.name)
         own = (len(text.prompts) + len(text.openers)) * self_len
         written = f" + {own} the target writes" if own else ""
@@ -163,31 +165,59 @@ def train_head_command(
     err.print(f"saved to {folder}; use it with: {use} 'def fib(n):'")
 
 
-def option_problem(
-    tokens: int,
-    seq_len: int,
-    self_tokens: int,
-    opener_tokens: int,
-    self_len: int,
-    epochs: int,
-    batch: int,
-    unroll: int,
-    intermediate_size: int,
-    draft_vocab: int,
-    lr: float,
-    feature_noise: float,
-    precision: str,
-    init: Path | None,
-) -> str | None:
-    """What is wrong with train-head's options, as its error line; None when nothing is."""
-    from understudy.head.self_text import OPENER_SAMPLED
+@dataclass(frozen=True)
+class TextSizes:
+    """How much text a head trains on: corpus tokens in sequences of seq_len, and text the
+    target writes itself (from docstrings; from file openers) in sequences of self_len."""
+
+    tokens: int
+    seq_len: int
+    self_tokens: int
+    opener_tokens: int
+    self_len: int
+
+    def problem(self) -> str | None:
+        """The first option out of range, as a one-line message, or None."""
+        from understudy.head.self_text import OPENER_SAMPLED
+
+        for name, value, low in (
+            ("self-tokens", self.self_tokens, 0),
+            ("opener-tokens", self.opener_tokens, 0),
+            ("seq-len", self.seq_len, 16),
+            ("self-len", self.self_len, 16),
+        ):
+            if value < low:
+                return f"--{name} must be at least {low}, got {value}"
+        written = self.self_tokens or self.opener_tokens
+        if self.tokens < 2 * self.seq_len and (self.tokens or not written):
+            return (
+                f"--tokens must be at least {2 * self.seq_len} (or 0 with --self-tokens or "
+                f"--opener-tokens), got {self.tokens}"
+            )
+        if written and self.tokens and self.seq_len % self.self_len:
+            return f"--seq-len {self.seq_len} must be a multiple of --self-len {self.self_len}"
+        for name, value in (
+            ("self-tokens", self.self_tokens),
+            ("opener-tokens", self.opener_tokens),
+        ):
+            if value and value < 2 * self.self_len:
+                return f"--{name} must be 0 or at least {2 * self.self_len}, got {value}"
+        if self.opener_tokens and self.self_len <= OPENER_SAMPLED + 16:
+            return (
+                f"--self-len must be over {OPENER_SAMPLED + 16} with --opener-tokens "
+                f"({OPENER_SAMPLED} are sampled), got {self.self_len}"
+            )
+        return None
+
+
+def _option_problem(
+    epochs: int, batch: int, unroll: int, intermediate_size: int, draft_vocab: int,
+    init: Path | None, lr: float, feature_noise: float, precision: str,
+) -> str | None:  # fmt: skip
+    """The first training option out of range, as a one-line message, or None."""
     from understudy.head.train import PRECISIONS
 
     for name, value, low in (
-        ("self-tokens", self_tokens, 0),
-        ("opener-tokens", opener_tokens, 0),
-        ("seq-len", seq_len, 16),
-        ("self-len", self_len, 16),
         ("epochs", epochs, 1),
         ("batch", batch, 1),
         ("unroll", unroll, 1),
@@ -196,22 +226,6 @@ def option_problem(
     ):
         if value < low:
             return f"--{name} must be at least {low}, got {value}"
-    written = self_tokens or opener_tokens
-    if tokens < 2 * seq_len and (tokens or not written):
-        return (
-            f"--tokens must be at least {2 * seq_len} (or 0 with --self-tokens or "
-            f"--opener-tokens), got {tokens}"
-        )
-    if written and tokens and seq_len % self_len:
-        return f"--seq-len {seq_len} must be a multiple of --self-len {self_len}"
-    for name, value in (("self-tokens", self_tokens), ("opener-tokens", opener_tokens)):
-        if value and value < 2 * self_len:
-            return f"--{name} must be 0 or at least {2 * self_len}, got {value}"
-    if opener_tokens and self_len <= OPENER_SAMPLED + 16:
-        return (
-            f"--self-len must be over {OPENER_SAMPLED + 16} with --opener-tokens "
-            f"({OPENER_SAMPLED} are sampled), got {self_len}"
-        )
     if init is not None and not (init / "head.safetensors").is_file():
         return f"--init {init}: no trained head there (head.safetensors)"
     if not lr > 0:
@@ -221,6 +235,50 @@ def option_problem(
     if precision not in PRECISIONS:
         return f"--precision must be one of {', '.join(PRECISIONS)}, got {precision!r}"
     return None
+
+
+@dataclass(frozen=True)
+class TrainingText:
+    """The token sequences a head trains on, the prompts the target continues itself, and the
+    corpus's name (its features' cache key)."""
+
+    sequences: list[list[int]]
+    prompts: list[list[int]]
+    openers: list[list[int]]
+    corpus: str
+
+
+def training_text(tokenizer: Any, data: list[Path] | None, sizes: TextSizes) -> TrainingText:
+    """The corpus (`data`'s files, or the standard library's source) cut into sequences, and
+    the docstring and opener prompts; UnderstudyError where there is too little of either."""
+    from understudy.config import UnderstudyError
+    from understudy.head.corpus import stdlib_files, text_files, token_sequences
+    from understudy.head.self_text import docstring_prompts, opener_prompts
+
+    if data:
+        files = text_files(list(data))
+        key = hashlib.sha256("\n".join(str(f) for f in sorted(files)).encode()).hexdigest()
+        corpus = f"data{key[:10]}"
+    else:
+        files, corpus = stdlib_files(), "stdlib"
+    if not files:
+        raise UnderstudyError("the training data holds no readable .py/.md/.txt files")
+    sequences: list[list[int]] = []
+    if sizes.tokens:
+        count = whole_shards(sizes.tokens // sizes.seq_len)
+        sequences = list(token_sequences(files, tokenizer, sizes.seq_len, count))
+        if len(sequences) < 2:
+            raise UnderstudyError(f"the training data holds under {2 * sizes.seq_len} tokens")
+    prompts: list[list[int]] = []
+    if sizes.self_tokens:
+        count = whole_shards(sizes.self_tokens // sizes.self_len)
+        prompts = docstring_prompts(stdlib_files(), tokenizer, count, sizes.self_len - 1)
+        if len(prompts) < 2:
+            raise UnderstudyError("found under 2 docstring prompts shorter than --self-len")
+    openers: list[list[int]] = []
+    if sizes.opener_tokens:
+        openers = opener_prompts(tokenizer, whole_shards(sizes.opener_tokens // sizes.self_len))
+    return TrainingText(sequences, prompts, openers, corpus)
 
 
 def parse_feature_layers(text: str) -> tuple[int, ...] | None | bool:
@@ -235,72 +293,6 @@ def parse_feature_layers(text: str) -> tuple[int, ...] | None | bool:
     except ValueError:
         return False
     return layers if list(layers) == sorted(set(layers)) and min(layers) >= 0 else False
-
-
-def load_target(spec: str | None) -> LoadedModel:
-    """The target to train a head for, refused unless our Transformer runs it (a head reads
-    its hidden states) and it has a tokenizer (the training text is text)."""
-    from understudy.config import UnderstudyError
-    from understudy.models.hf_fallback import refuse_on_fallback
-    from understudy.models.loader import load_model
-    from understudy.models.registry import DEFAULT_TARGET
-
-    loaded = load_model(spec or DEFAULT_TARGET)
-    refuse_on_fallback(loaded, None, wants_hidden=True)
-    if loaded.tokenizer is None:
-        raise UnderstudyError(f"target {loaded.name!r} has no tokenizer: cannot read text")
-    return loaded
-
-
-@dataclass
-class TrainingText:
-    """The token ids the target reads or continues: corpus sequences, docstring prompts and
-    file openers (head/corpus.py, head/self_text.py)."""
-
-    corpus: str  # the corpus's name: "stdlib" or "data<hash of the files>"
-    sequences: list[list[int]]
-    prompts: list[list[int]]
-    openers: list[list[int]]
-
-    @classmethod
-    def read(
-        cls,
-        tokenizer: Any,
-        data: list[Path] | None,
-        tokens: int,
-        seq_len: int,
-        self_tokens: int,
-        opener_tokens: int,
-        self_len: int,
-    ) -> TrainingText:
-        from understudy.config import UnderstudyError
-        from understudy.head.corpus import stdlib_files, text_files, token_sequences
-        from understudy.head.self_text import docstring_prompts, opener_prompts
-
-        if data:
-            files = text_files(list(data))
-            key = hashlib.sha256("\n".join(str(f) for f in sorted(files)).encode()).hexdigest()
-            corpus = f"data{key[:10]}"
-        else:
-            files, corpus = stdlib_files(), "stdlib"
-        if not files:
-            raise UnderstudyError("the training data holds no readable .py/.md/.txt files")
-        sequences: list[list[int]] = []
-        if tokens:
-            count = whole_shards(tokens // seq_len)
-            sequences = list(token_sequences(files, tokenizer, seq_len, count))
-            if len(sequences) < 2:
-                raise UnderstudyError(f"the training data holds under {2 * seq_len} tokens")
-        prompts: list[list[int]] = []
-        if self_tokens:
-            count = whole_shards(self_tokens // self_len)
-            prompts = docstring_prompts(stdlib_files(), tokenizer, count, self_len - 1)
-            if len(prompts) < 2:
-                raise UnderstudyError("found under 2 docstring prompts shorter than --self-len")
-        openers: list[list[int]] = []
-        if opener_tokens:
-            openers = opener_prompts(tokenizer, whole_shards(opener_tokens // self_len))
-        return cls(corpus, sequences, prompts, openers)
 
 
 def pack_head_command(

@@ -2,6 +2,7 @@
 structured output. base.py states the protocol the engine follows and why speculation stays
 lossless under it."""
 
-from understudy.constraints.base import Composite, LogitsProcessor, build_processor
+from understudy.constraints.base import Composite, LogitsProcessor
+from understudy.constraints.build import build_processor
 
 __all__ = ["Composite", "LogitsProcessor", "build_processor"]

@@ -22,12 +22,7 @@ tentatively and rolls back). `commit` may be called with the same tokens more th
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
-
 import torch
-
-if TYPE_CHECKING:
-    from understudy.config import SamplingParams
 
 
 class LogitsProcessor:
@@ -83,48 +78,3 @@ class Composite(LogitsProcessor):
     def commit(self, tokens: list[int]) -> None:
         for part in self.parts:
             part.commit(tokens)
-
-
-def build_processor(
-    params: SamplingParams,
-    tokenizer: Any,
-    vocab_size: int,
-    eos_token_ids: tuple[int, ...],
-) -> LogitsProcessor | None:
-    """The processor `params` ask for, or None when they ask for nothing (the engine's fast
-    path stays untouched). Order, as vLLM's sampler: logit_bias, min_tokens, penalties, then
-    the grammar (last, so that what it allows is decided on the final logits). Raises
-    UnderstudyError for a token id outside the vocabulary or a grammar that does not compile.
-    `tokenizer` is only needed for structured output."""
-    from understudy.constraints.bias import LogitBias
-    from understudy.constraints.min_tokens import MinTokens
-    from understudy.constraints.penalties import Penalties
-
-    stop_ids = tuple(params.stop_token_ids)
-    eos = () if params.ignore_eos else tuple(eos_token_ids)
-    parts: list[LogitsProcessor] = []
-    if params.logit_bias:
-        parts.append(LogitBias(params.logit_bias, vocab_size))
-    if params.min_tokens > 0 and (eos or stop_ids):
-        parts.append(MinTokens(params.min_tokens, (*eos, *stop_ids), vocab_size))
-    if (
-        params.presence_penalty != 0.0
-        or params.frequency_penalty != 0.0
-        or params.repetition_penalty != 1.0
-    ):
-        parts.append(
-            Penalties(
-                vocab_size,
-                params.presence_penalty,
-                params.frequency_penalty,
-                params.repetition_penalty,
-            )
-        )
-    if params.structured is not None:
-        from understudy.constraints.grammar import GrammarProcessor
-
-        stops = tuple(dict.fromkeys((*eos_token_ids, *stop_ids)))
-        parts.append(GrammarProcessor.build(params.structured, tokenizer, vocab_size, stops))
-    if not parts:
-        return None
-    return parts[0] if len(parts) == 1 else Composite(parts)

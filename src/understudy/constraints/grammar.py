@@ -8,9 +8,9 @@ back all it accepted, so the committed state is unchanged (base.py). A drafted t
 grammar refuses gets -inf at its row, so the verifier rejects it; the rows after it cannot be
 reached and keep the logits they came with.
 
-JSON schemas generate compact JSON (no optional whitespace: small models otherwise tend to
-loop on it). Once the grammar is complete, only the stop tokens (EOS, stop_token_ids) are
-allowed. When the processors before this one leave nothing the grammar allows (min_tokens
+JSON schemas generate JSON with fixed separators (", " and ": ") and no other optional
+whitespace (small models otherwise tend to loop on it). Once the grammar is complete, only
+the stop tokens (EOS, stop_token_ids) are allowed. When the processors before this one leave nothing the grammar allows (min_tokens
 asking for more tokens than a finished grammar holds), the grammar wins: its allowed tokens
 become equally likely, so a row is never without a token. A grammar that allows no token at
 all (stop_token_ids that take every token it could continue with) is the request's error,

@@ -6,16 +6,19 @@ distribution each was drawn from (q, after the same warping as the target's p) o
 the guesses are deterministic (q = one-hot). After the verifier has spoken, `commit` tells it
 which tokens really follow, so it can roll back whatever state it keeps.
 
-Every optional hook has a default body here (as llama.cpp's common/speculative.h declares its
-drafter hooks), so the engine calls each one unconditionally and never probes a drafter for
-what it can do. The order of calls for one request:
+What a drafter IS is declared once, in its class's `traits` (the builder and the planner
+read them; nothing probes a drafter). What it DOES are the hooks below, each with a one-line
+contract; every optional hook has a default body (as llama.cpp's common/speculative.h
+declares its drafter's), so the engine calls each one unconditionally. The order of calls:
 
-    begin(prompt_ids)
-    observe_hidden(prompt's hidden states, 0)          # only when wants_hidden
-    repeat:  propose(...) or propose_tree(...)         # tree only when self.tree != "off"
-             observe_hidden(kept rows' hidden, start)  # only when wants_hidden
-             commit(tokens)                            # not after the last round
-    end(tokens)
+    settle(costs, automatic_k)                          # once, when the engine is built
+    for_seat(i)                                          # once per extra seat of a batch
+    per request:  begin(prompt_ids)
+                  observe_hidden(prompt's hidden, 0)     # only with traits.wants_hidden
+                  repeat:  propose_batch([...]) -> propose / propose_tree per sequence
+                           observe_hidden(kept rows' hidden, start)   # wants_hidden
+                           commit(tokens)                # not after the last round
+                  end(tokens)
 
 Drafter classes register themselves in DRAFTERS by method name; the builder looks the class
 up once, when the engine is built, never in the decode loop.
@@ -23,18 +26,32 @@ up once, when the engine is built, never in the decode loop.
 
 from __future__ import annotations
 
-import time
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
-from understudy.config import SamplingParams, UnderstudyError
+from understudy.config import SamplingParams, TreeMode, UnderstudyError
+from understudy.measure.passes import runner_step
 
 if TYPE_CHECKING:
     from understudy.models.loader import LoadedModel
     from understudy.models.runner import Runner
     from understudy.policy.costs import Costs
+
+
+@dataclass(frozen=True)
+class Traits:
+    """What a kind of drafter is, declared on its class."""
+
+    needs_draft_model: bool = False  # the builder loads a draft model and passes it in
+    draft_names_head: bool = False  # `draft=DIR` names a trained head's folder (eagle)
+    # it decides its own round length (hybrid): with automatic K the engine hands it the
+    # whole row budget as k instead of automatic K's choice
+    plans_length: bool = False
+    wants_hidden: bool = False  # the engine feeds it the target's hidden states
+    batches: bool = True  # `for_seat` works: it runs in a batched engine
 
 
 @dataclass
@@ -56,29 +73,26 @@ EMPTY = Proposal(torch.zeros(0, dtype=torch.long), None)
 
 
 @dataclass(frozen=True)
-class ChainRequest:
-    """One sequence's part of a batched draft (Drafter.propose_batch): up to k guesses
-    after `tokens`, by its own drafter, with its own sampling parameters and generator."""
+class DraftRequest:
+    """One sequence's part of a round's drafting (Drafter.propose_batch): up to k guesses
+    after `tokens` by its own drafter, as a chain or, with `tree`, a tree of at most `nodes`
+    nodes and depth k; with its own sampling parameters and generator."""
 
     drafter: Drafter
     tokens: list[int]
     k: int
     params: SamplingParams
     generator: torch.Generator
+    tree: bool = False
+    nodes: int = 0
 
 
 class Drafter:
     """The base of every drafter. Subclasses implement `from_models` and `propose`; every
     other hook's default body is what a drafter without that ability should do."""
 
-    needs_draft_model: bool = False  # the builder loads a draft model and passes it in
-    draft_names_head: bool = False  # `draft=DIR` names a trained head's folder (eagle)
-    # the drafter decides its own round length (hybrid): with automatic K the engine hands it
-    # the whole row budget as k instead of automatic K's choice
-    plans_length: bool = False
-    wants_hidden: bool = False  # the engine feeds it the target's hidden states
-    tree: str = "off"  # "off" | "on" | "auto": whether rounds may draft trees
-    batches: bool = False  # `for_seat` works: the drafter runs in a batched engine
+    traits: Traits = Traits()  # of the class; an instance may narrow it (batches)
+    tree: TreeMode = "off"  # an option of the instance: whether its rounds may be trees
 
     @classmethod
     def from_models(
@@ -88,12 +102,26 @@ class Drafter:
         max_context: int,
         **options: object,
     ) -> Drafter:
-        """Build the drafter for `target` (and `draft`, when needs_draft_model). Unknown
-        options are refused with their names (`take_options`)."""
+        """Build the drafter for `target` (and `draft`, when it needs a draft model).
+        Unknown options are refused with their names (`take_options`)."""
         raise NotImplementedError
+
+    def settle(self, costs: Costs, automatic_k: bool) -> None:
+        """Take the costs measured at build, and settle options left at "auto" now that the
+        engine knows whether K is automatic."""
+
+    def for_seat(self, index: int) -> Drafter:
+        """A drafter of this kind for seat `index` (>= 1) of a batched engine: its own
+        per-request state (and, with a draft model, its own region of the draft's KV cache),
+        sharing what is shared across requests (weights, a cache of outputs)."""
+        raise UnderstudyError(f"{type(self).__name__} does not run in a batch (max_num_seqs > 1)")
 
     def begin(self, prompt_ids: list[int]) -> None:
         """A new request starts with these prompt tokens."""
+
+    def observe_hidden(self, hidden: torch.Tensor, start: int) -> None:
+        """The target's hidden states [n, hidden] of positions start..start+n-1 (only called
+        with traits.wants_hidden)."""
 
     def propose(
         self, tokens: list[int], k: int, params: SamplingParams, generator: torch.Generator
@@ -109,38 +137,22 @@ class Drafter:
         params: SamplingParams,
         generator: torch.Generator,
     ) -> Proposal:
-        """A token tree of at most `nodes` nodes and `depth` levels after `tokens` (Proposal
-        with parents). Called only when `tree` is not "off"."""
+        """A token tree of at most `nodes` nodes and `depth` levels after `tokens` (a
+        Proposal with parents). Called only when `tree` is not "off"."""
         raise UnderstudyError(f"{type(self).__name__} cannot draft trees")
+
+    @classmethod
+    def propose_batch(cls, requests: list[DraftRequest]) -> list[Proposal]:
+        """Every sequence's proposal of a round, each exactly what its drafter's propose or
+        propose_tree returns alone. The default drafts one after another; a drafter with a
+        model steps its chains in shared passes."""
+        return [propose_one(r) for r in requests]
 
     def commit(self, tokens: list[int]) -> None:
         """The round is over: `tokens` is the sequence as it now stands."""
 
-    def for_seat(self, index: int) -> Drafter:
-        """A drafter of this kind for seat `index` (>= 1) of a batched engine (engine/batch.py):
-        its own per-request state (and, with a draft model, its own region of the draft's KV
-        cache), sharing what is shared across requests (weights, a cache of outputs). Seat 0
-        is this drafter itself. A drafter that cannot is refused here, at build."""
-        raise UnderstudyError(
-            f"{type(self).__name__} does not run in a batch yet (max_num_seqs > 1)"
-        )
-
-    @classmethod
-    def propose_batch(cls, chains: list[ChainRequest]) -> list[Proposal]:
-        """Chains for several sequences of a batch at once, one per ChainRequest, each
-        exactly what its drafter's `propose` would return alone. The default drafts one
-        sequence after another; a drafter with a model steps them all in shared passes."""
-        return [
-            c.drafter.propose(c.tokens, c.k, c.params, c.generator) if c.k > 0 else EMPTY
-            for c in chains
-        ]
-
     def end(self, tokens: list[int]) -> None:
         """The request is over with these tokens (e.g. a cache across requests learns them)."""
-
-    def observe_hidden(self, hidden: torch.Tensor, start: int) -> None:
-        """The target's final hidden states [n, hidden] of positions start..start+n-1 (only
-        called when `wants_hidden`)."""
 
     @property
     def stops_by_confidence(self) -> bool:
@@ -148,42 +160,36 @@ class Drafter:
         decides whether to draft at all, and the drafter how far)."""
         return False
 
-    def settle_confidence(self, automatic_k: bool) -> None:
-        """Resolve thresholds left at "auto" once the engine knows whether K is automatic."""
-
     def quantize(self, scheme: str) -> None:
-        """Quantize a network the drafter holds itself (draft_quantization); drafters with
-        none ignore it, and a draft model is quantized by the builder before it gets here."""
+        """Quantize a network the drafter holds itself (draft_quantization); a draft model
+        is quantized by the builder before it gets here."""
 
     def draft_runner(self) -> Runner | None:
         """The runner of the draft model whose step is this drafter's cost, if any."""
         return None
 
-    def step_seconds(self, repeats: int) -> float:
-        """One drafting step (one guess), best of `repeats`: the numerator of c. A drafter
-        with a draft model times one of its one-token passes; a free drafter costs 0."""
+    def timed_step(self) -> Callable[[], None] | None:
+        """One drafting step (one guess) for understudy/measure/ to time, leaving the
+        drafter as it was; None when a guess costs nothing. Default: a one-token pass of
+        the draft model."""
         runner = self.draft_runner()
-        if runner is None:
-            return 0.0
-        context = torch.arange(1, 33, device=runner.model.device)
-        runner.prefill(context, span=480)
-        times = []
-        for _ in range(repeats + 1):
-            t0 = time.perf_counter()
-            runner.extend(context[:1])
-            times.append(time.perf_counter() - t0)
-            runner.truncate(context.shape[0])
-        runner.truncate(0)
-        return min(times[1:])  # the first is a warm-up
+        return None if runner is None else runner_step(runner)
 
-    def use_costs(self, costs: Costs) -> None:
-        """The costs measured when the engine was built (a drafter that plans with them)."""
+
+def propose_one(request: DraftRequest) -> Proposal:
+    """One sequence's proposal by its own drafter: a tree or a chain, as planned."""
+    r = request
+    if r.k <= 0:
+        return EMPTY
+    if r.tree:
+        return r.drafter.propose_tree(r.tokens, r.k, r.nodes, r.params, r.generator)
+    return r.drafter.propose(r.tokens, r.k, r.params, r.generator)
 
 
 DRAFTERS: dict[str, type[Drafter]] = {}
 
 
-def register(method: str):
+def register(method: str) -> Callable[[type[Drafter]], type[Drafter]]:
     """Class decorator: make a drafter available as Engine method `method`."""
 
     def wrap(cls: type[Drafter]) -> type[Drafter]:
@@ -193,9 +199,13 @@ def register(method: str):
     return wrap
 
 
-def take_options(method: str, options: dict[str, object], defaults: dict[str, object]) -> dict:
+def take_options(
+    method: str, options: Mapping[str, object], defaults: Mapping[str, object]
+) -> dict[str, Any]:
     """`defaults` updated with `options`; an option not in `defaults` is an error (fail early:
-    a misspelt option silently ignored would quietly benchmark the wrong configuration)."""
+    a misspelt option silently ignored would quietly benchmark the wrong configuration).
+    The values are Any: the caller's, unchecked, each validated by the drafter that takes it
+    (its constructor, positive_int, threshold), which refuses a value of the wrong type."""
     unknown = sorted(set(options) - set(defaults))
     if unknown:
         raise UnderstudyError(

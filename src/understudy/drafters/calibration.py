@@ -20,9 +20,10 @@ which keeps verification exact under sampling, and seeded sampling reproducible.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any
 
-from understudy.config import UnderstudyError
+from understudy.config import TREE_MODES, TreeMode, UnderstudyError
 from understudy.drafters.base import Drafter, positive_int, take_options, threshold
 
 if TYPE_CHECKING:
@@ -108,13 +109,13 @@ class DoubtRules(Drafter):
     Under automatic K, "auto" (None) becomes the subclass's `auto_path_confidence` or c + v,
     whichever is more: a guess costs its draft step and its target row, c + v target passes,
     and plain decoding earns one token a pass, so a guess whose round is kept with a lower
-    chance than c + v earns less than plain decoding would in its time (use_costs). On a CPU
+    chance than c + v earns less than plain decoding would in its time (settle). On a CPU
     where a draft step is half a target pass this ends rounds far earlier than the tuned
     value alone. Where the pass curve was measured, v is each guess's own row (path_doubt):
     the slope of the curve's lower convex hull there (policy/costs.py, hull_steps)."""
 
     auto_path_confidence = 0.0
-    guess_cost = 0.0  # c + v, measured when the engine is built (use_costs)
+    guess_cost = 0.0  # c + v, measured when the engine is built (settle)
     draft_step = 0.0  # c alone
     row_steps: tuple[float, ...] = ()  # the target row each guess adds, where measured
     path_floors: tuple[float, ...] = ()  # settled "auto": guess g + 1's threshold, by g
@@ -129,8 +130,12 @@ class DoubtRules(Drafter):
         self.path_confidence = path_confidence
         self.record = RoundRecord()  # the latest chain round, until the target judges it
 
-    def settle_confidence(self, automatic_k: bool) -> None:
-        """Settle "auto": auto_path_confidence with automatic K, else off (the engine calls it)."""
+    def settle(self, costs: Costs, automatic_k: bool) -> None:
+        """Take c and the row costs, then settle "auto": auto_path_confidence (or c + v) with
+        automatic K, else off."""
+        self.guess_cost = costs.draft_step + costs.row
+        self.draft_step = costs.draft_step
+        self.row_steps = costs.row_steps()
         if self.confidence is None:
             self.confidence = 0.0
         if self.path_confidence is None:
@@ -139,10 +144,11 @@ class DoubtRules(Drafter):
             floors = (max(self.auto_path_confidence, self.draft_step + s) for s in self.row_steps)
             self.path_floors = tuple(min(f, 1.0) for f in floors) if automatic_k else ()
 
-    def use_costs(self, costs: Costs) -> None:
-        self.guess_cost = costs.draft_step + costs.row
-        self.draft_step = costs.draft_step
-        self.row_steps = costs.row_steps()
+    def settled_like(self, other: DoubtRules) -> None:
+        """Take `other`'s settled thresholds (a seat's drafter, like the engine's own)."""
+        self.confidence, self.path_confidence = other.confidence, other.path_confidence
+        self.guess_cost, self.draft_step = other.guess_cost, other.draft_step
+        self.row_steps, self.path_floors = other.row_steps, other.path_floors
 
     def path_doubt(self, guesses: int) -> float:
         """The calibrated chance of keeping the round below which the guess after `guesses`
@@ -171,12 +177,9 @@ class DoubtRules(Drafter):
         return self.record.calibration
 
 
-TREE_MODES = ("off", "on", "auto")
-
-
 def chain_and_tree_options(
-    method: str, options: dict[str, object], defaults: dict[str, object]
-) -> tuple[dict, str, int, float | None, float | None]:
+    method: str, options: Mapping[str, object], defaults: Mapping[str, object]
+) -> tuple[dict[str, Any], TreeMode, int, float | None, float | None]:
     """The options of a drafter that may draft trees and stop chains on doubt (draft, eagle):
     (all options, tree mode, tree_branching, draft_confidence, draft_path_confidence)."""
     opts = take_options(method, options, defaults)
@@ -185,4 +188,5 @@ def chain_and_tree_options(
     branching = positive_int(method, "tree_branching", opts["tree_branching"])
     confidence = threshold("draft_confidence", opts["draft_confidence"])
     path = threshold("draft_path_confidence", opts["draft_path_confidence"])
-    return opts, str(opts["tree"]), branching, confidence, path
+    tree: TreeMode = opts["tree"]
+    return opts, tree, branching, confidence, path

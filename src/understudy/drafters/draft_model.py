@@ -36,30 +36,34 @@ from __future__ import annotations
 
 import torch
 
-from understudy.config import SamplingParams, UnderstudyError
-from understudy.drafters.base import EMPTY, ChainRequest, Proposal, register
+from understudy.config import SamplingParams, TreeMode, UnderstudyError
+from understudy.drafters.base import (
+    EMPTY,
+    DraftRequest,
+    Proposal,
+    Traits,
+    propose_one,
+    register,
+)
 from understudy.drafters.calibration import DoubtRules, RoundRecord, chain_and_tree_options
 from understudy.drafters.draft_vocab import restrict_draft_vocab, vocab_rows
 from understudy.drafters.tree_search import BestFirstTree, tree_log_scores
 from understudy.models.hf_fallback import FallbackLM
 from understudy.models.loader import LoadedModel
 from understudy.models.runner import Runner
-from understudy.models.shared_pass import extend_together
+from understudy.models.shared_pass import score_together
 from understudy.verify.sampling import sample, warp_probs
 
 # draft_path_confidence under automatic K. A guess is worth drafting while the chance that it
 # is kept (the round's calibrated path probability) beats what its draft step and target row
-# cost in tokens, ~(c + v) * tokens per pass ~ 0.17 * 2 for the default pair, less the verify
-# pass a longer round saves. With calibration, 0.2 is within 2% of the best fixed K or above
-# it in every prompt category, where the uncalibrated product at 0.3 trails K = 4 by 5% on
-# chat (docs/design.md, sections 5 and 7)
+# cost in tokens, ~(c + v) * tokens per pass, less the verify pass a longer round saves; 0.2
+# was the best fixed floor over the prompt categories (docs/design.md, automatic K)
 AUTO_PATH_CONFIDENCE = 0.2
 
 
 @register("draft")
 class DraftModelProposer(DoubtRules):
-    needs_draft_model = True
-    batches = True
+    traits = Traits(needs_draft_model=True)
     auto_path_confidence = AUTO_PATH_CONFIDENCE
 
     @classmethod
@@ -82,18 +86,18 @@ class DraftModelProposer(DoubtRules):
     def __init__(
         self,
         runner: Runner,
-        tree: str = "off",
+        tree: TreeMode = "off",
         branching: int = 2,
         confidence: float | None = 0.0,
         path_confidence: float | None = 0.0,
     ) -> None:
         self.runner = runner
-        # a draft on transformers' own code (models/hf_fallback.py) holds one sequence
-        self.batches = not isinstance(runner.model, FallbackLM)
+        if isinstance(runner.model, FallbackLM):  # transformers' own code: one sequence
+            self.traits = Traits(needs_draft_model=True, batches=False)
         self.fed: list[int] = []  # tokens whose KV the draft computed, in order
         # the draft's logits past this many first ids are -inf (drafters/draft_vocab.py): a
-        # greedy guess and its probability read the first ids only, 82 us a step where the
-        # 151,936 ids took 340 (argmax and softmax, the 0.5B draft, 2 threads)
+        # greedy guess and its probability read the first ids only, a fraction of the time
+        # an argmax and softmax over the whole vocabulary take
         self.vocab_rows = vocab_rows(runner.model)
         self.tree = tree  # "off", "on" or "auto" (the engine decides each round: tree_choice.py)
         self.branching = branching
@@ -108,44 +112,39 @@ class DraftModelProposer(DoubtRules):
         self.record = RoundRecord()
 
     def for_seat(self, index: int) -> DraftModelProposer:
-        if not self.batches:
+        if not self.traits.batches:
             raise UnderstudyError(
                 "the draft model runs on transformers' own code (its architecture has no fast "
                 "path), which holds one sequence: use max_num_seqs=1"
             )
         runner = self.runner
         seat = Runner(runner.model, runner.max_context, first_slot=index * runner.slots)
-        drafter = DraftModelProposer(
-            seat, self.tree, self.branching, self.confidence, self.path_confidence
-        )
-        drafter.guess_cost, drafter.draft_step = self.guess_cost, self.draft_step
-        drafter.row_steps = self.row_steps
+        drafter = DraftModelProposer(seat, self.tree, self.branching)
+        drafter.settled_like(self)
         return drafter
 
     def propose(
         self, tokens: list[int], k: int, params: SamplingParams, generator: torch.Generator
     ) -> Proposal:
-        chain = DraftChain(self, tokens, k, params, generator)
-        logits = self._catch_up(tokens)  # [1, V]
-        while (token := chain.take(logits)) is not None:
-            logits = self.runner.extend(token.to(self.runner.model.device))
-            self.fed.append(int(token))
-        return chain.proposal()
+        return self.propose_batch([DraftRequest(self, tokens, k, params, generator)])[0]
 
     @classmethod
-    def propose_batch(cls, chains: list[ChainRequest]) -> list[Proposal]:
+    def propose_batch(cls, requests: list[DraftRequest]) -> list[Proposal]:
         """Every sequence's chain, each draft step of all of them in shared passes of the
-        draft model (models/shared_pass.py). A sampled sequence steps in passes of its own:
-        its draft probabilities enter the acceptance test, and the draft's kernels need not
-        be row-invariant, so they are computed exactly as its solo run computes them."""
-        steps = [
-            DraftChain(c.drafter, c.tokens, c.k, c.params, c.generator)
-            for c in chains
-            if isinstance(c.drafter, DraftModelProposer)
-        ]
-        assert len(steps) == len(chains), "a batch of draft-model drafters"
-        active = [chain for chain in steps if chain.k > 0]
-        fed = [torch.tensor(c.tokens[c.drafter.runner.length :]) for c in active]
+        draft model (models/shared_pass.py); trees one by one. A sampled sequence steps in
+        passes of its own: its draft probabilities enter the acceptance test, and the draft's
+        kernels need not be row-invariant, so they are computed exactly as its solo run
+        computes them. One request alone is exactly `propose`."""
+        out: list[Proposal | None] = [None] * len(requests)
+        chains: list[tuple[int, DraftChain]] = []
+        for i, r in enumerate(requests):
+            if r.tree or r.k <= 0:
+                out[i] = propose_one(r)
+            else:
+                assert isinstance(r.drafter, DraftModelProposer), "a batch of draft models"
+                chains.append((i, DraftChain(r.drafter, r.tokens, r.k, r.params, r.generator)))
+        active = [chain for _, chain in chains]
+        fed = [chain.drafter.unseen(chain.tokens) for chain in active]
         logits = together([c.drafter.runner for c in active], fed, [c.greedy for c in active])
         for chain in active:
             chain.drafter.fed = chain.tokens[: chain.drafter.runner.length]
@@ -156,7 +155,17 @@ class DraftModelProposer(DoubtRules):
             for chain, token in zip(active, fed, strict=True):
                 chain.drafter.fed.append(int(token))
             logits = together([c.drafter.runner for c in active], fed, [c.greedy for c in active])
-        return [chain.proposal() for chain in steps]
+        for i, chain in chains:
+            out[i] = chain.proposal()
+        return [p if p is not None else EMPTY for p in out]
+
+    def unseen(self, tokens: list[int]) -> torch.Tensor:
+        """Roll the draft back to what `tokens` still shares with it, then the tokens it has
+        not seen ([n] >= 1). At least tokens[-1] is fed again: a round's last token may equal
+        a guess the draft fed already (a verifier that resamples a rejected guess from p may
+        redraw it), and the draft then holds that token's keys but not its logits."""
+        self.runner.truncate(min(self.runner.length, len(tokens) - 1))
+        return torch.tensor(tokens[self.runner.length :])
 
     @staticmethod
     def _own_probability(
@@ -179,13 +188,9 @@ class DraftModelProposer(DoubtRules):
         self.fed = tokens[: self.runner.length]
 
     def _catch_up(self, tokens: list[int]) -> torch.Tensor:
-        """Feed the tokens the draft has not seen; return its logits after tokens[-1] [1, V].
-        At least tokens[-1] is fed again: a round's last token may equal a guess the draft
-        fed already (a verifier that resamples a rejected guess from p may redraw it), and
-        the draft then holds that token's keys but not its logits."""
-        self.runner.truncate(min(self.runner.length, len(tokens) - 1))
-        unseen = tokens[self.runner.length :]
-        logits = self.runner.extend(torch.tensor(unseen, device=self.runner.model.device), True)
+        """Feed the tokens the draft has not seen; return its logits after tokens[-1] [1, V]."""
+        fed = self.unseen(tokens).to(self.runner.model.device)
+        logits = self.runner.extend(fed, True)
         self.fed = tokens[: self.runner.length]
         return logits
 
@@ -294,7 +299,7 @@ def together(
     out: list[torch.Tensor | None] = [None] * len(runners)
     shared = [i for i, g in enumerate(greedy) if g]
     if shared:
-        logits = extend_together([runners[i] for i in shared], [tokens[i] for i in shared], True)
+        logits = score_together([runners[i] for i in shared], [tokens[i] for i in shared], True)
         for i, row in zip(shared, logits, strict=True):
             out[i] = row
     for i, g in enumerate(greedy):

@@ -25,6 +25,7 @@ from torch import nn
 
 from understudy.config import UnderstudyError
 from understudy.kernels.qgemm import QuantLinear
+from understudy.models.hf_fallback import FallbackLM
 from understudy.models.loader import LoadedModel
 from understudy.models.transformer import Transformer
 
@@ -56,23 +57,26 @@ def restrict_draft_vocab(draft: LoadedModel, value: object) -> int | None:
         raise UnderstudyError(f"draft_vocab must be auto, all or an integer >= 1, got {value!r}")
     model = draft.model
     head = model.lm_head if isinstance(model, Transformer) else None
-    one_part = isinstance(head, QuantLinear) and len(head.parts) == 1 and head.bias is None
+    if not (isinstance(head, QuantLinear) and len(head.parts) == 1 and head.bias is None):
+        head = None  # only a one-part head from GGUF blocks, without bias, can be cut
     if value == "auto":
-        if not one_part or head.out_features <= 2 * AUTO_VOCAB:
+        if head is None or head.out_features <= 2 * AUTO_VOCAB:
             return None
         value = AUTO_VOCAB
-    if not one_part:
+    if head is None:
         raise UnderstudyError(
             f"draft_vocab={value} needs a draft whose LM head runs from GGUF blocks "
             f"(quantization='gguf'); {draft.name!r} does not: use draft_vocab='all'"
         )
+    # a head was found on a Transformer; value is "auto" made AUTO_VOCAB or an int >= 1
+    assert isinstance(model, Transformer) and isinstance(value, int)
     if value >= head.out_features:
         return None
     model.lm_head = DraftVocabHead(head, value)
     return value
 
 
-def vocab_rows(model: nn.Module) -> int | None:
+def vocab_rows(model: Transformer | FallbackLM) -> int | None:
     """How many first ids a draft model guesses from (its logits past them are -inf): its
     DraftVocabHead's rows, None when its head scores every id."""
     head = model.lm_head if isinstance(model, Transformer) else None

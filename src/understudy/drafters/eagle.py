@@ -29,30 +29,31 @@ the round, so the invariant above holds.
 
 from __future__ import annotations
 
+import copy
 import re
-import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
 
-from understudy.config import SamplingParams, UnderstudyError
-from understudy.drafters.base import EMPTY, Proposal, register
+from understudy.cache import cache_dir
+from understudy.config import SamplingParams, TreeMode, UnderstudyError
+from understudy.drafters.base import EMPTY, Proposal, Traits, register
 from understudy.drafters.calibration import DoubtRules, RoundRecord, chain_and_tree_options
 from understudy.drafters.tree_search import BestFirstTree, tree_log_scores
 from understudy.models.eagle_head import CONFIG_FILE, EagleHead, read_head_config
-from understudy.models.fetch import cache_dir
 from understudy.models.head_file import file_sha256, load_any_head, read_packed, shipped_head
 from understudy.models.loader import LoadedModel
 from understudy.models.quant import quantize_model
+from understudy.models.transformer import Transformer
 from understudy.verify.sampling import sample, warp_probs
 
 # head cache slots past the real pairs, for a tree's nodes (a round stops growing its tree
 # before they run out)
 TREE_SLOTS = 256
 # draft_path_confidence under automatic K: a guess is worth drafting while the chance that
-# the round is kept up to it beats its cost in tokens, ~(c + v) * tokens per pass: c ~ 0.03
-# for the head, v ~ 0 on padded passes, ~1.7 tokens a pass, so ~0.05 (the fastest of 0.05,
-# 0.1 and off on the completion prompts: docs/eagle.md)
+# the round is kept up to it beats its cost in tokens, ~(c + v) * tokens per pass, with c a
+# few hundredths for the head: 0.05 (docs/eagle.md)
 AUTO_PATH_CONFIDENCE = 0.05
 
 
@@ -96,6 +97,9 @@ def find_head(target: LoadedModel, head: str | None) -> Path:
 def check_head_folder(folder: Path, target: LoadedModel) -> Path:
     """`folder`, once its head's sizes fit the target's."""
     cfg, _ = read_head_config(folder)
+    # eagle reads the target's hidden states: a FallbackLM target, which has none to read,
+    # is refused first (hf_fallback.refuse_on_fallback, by the builder and the inspection)
+    assert isinstance(target.model, Transformer)
     t = target.model.cfg
     if (cfg.hidden_size, cfg.target_vocab_size) != (t.hidden_size, t.vocab_size):
         raise UnderstudyError(
@@ -118,10 +122,8 @@ def check_packed_head(path: Path, target: LoadedModel, train: str) -> None:
 
 @register("eagle")
 class EagleProposer(DoubtRules):
-    needs_draft_model = False
+    traits = Traits(draft_names_head=True, wants_hidden=True)
     auto_path_confidence = AUTO_PATH_CONFIDENCE
-    draft_names_head = True  # `draft=DIR` names the head's folder
-    wants_hidden = True
 
     @classmethod
     def from_models(
@@ -139,7 +141,10 @@ class EagleProposer(DoubtRules):
             "draft_path_confidence": "auto",
         }
         opts, tree, branching, confidence, path = chain_and_tree_options("eagle", options, defaults)
-        found = find_head(target, opts["head"])  # type: ignore[arg-type]
+        if opts["head"] is not None and not isinstance(opts["head"], str):
+            raise UnderstudyError(f"head must be a folder or a file (a path), got {opts['head']!r}")
+        found = find_head(target, opts["head"])
+        assert isinstance(target.model, Transformer)  # as find_head: refused on a FallbackLM
         head = load_any_head(found, target.model)
         target.model.feature_layers = head.cfg.feature_layers  # what its runner keeps
         return cls(head, max_context, tree, branching, confidence, path)
@@ -148,7 +153,7 @@ class EagleProposer(DoubtRules):
         self,
         head: EagleHead,
         max_context: int,
-        tree: str = "auto",
+        tree: TreeMode = "auto",
         branching: int = 4,
         confidence: float | None = 0.0,
         path_confidence: float | None = 0.0,
@@ -253,7 +258,8 @@ class EagleProposer(DoubtRules):
         head, real = self.head, len(tokens) - 1
         root = self._catch_up(tokens)  # [hidden]
         base = real - 1  # the root's pair (f_{real-1}, tokens[-1]) sits at this slot
-        room = self.head.k_cache.shape[1] - base  # type: ignore[union-attr]
+        assert head.k_cache is not None  # allocated in __init__ (allocate_cache)
+        room = head.k_cache.shape[1] - base
         tree = BestFirstTree(nodes, self.branching)
         tree.grow([-1], tree_log_scores(head.draft_logits(root[None]), params), self.vocab)
         predicted = {-1: root}  # candidate -> the head's prediction after it, once fed
@@ -280,16 +286,34 @@ class EagleProposer(DoubtRules):
         calibration learns how many of the latest chain round's guesses were kept."""
         self.record.judge(tokens)
 
-    def step_seconds(self, repeats: int) -> float:
-        """One drafting step (a pair through the head and its LM rows), best of `repeats`."""
-        head = self.head
+    def for_seat(self, index: int) -> EagleProposer:
+        """The same trained head (weights shared) with a KV cache and features of its own."""
+        slots = self.features.shape[0] + TREE_SLOTS
+        drafter = EagleProposer(head_with_own_cache(self.head, slots), self.features.shape[0] - 1,
+                                self.tree, self.branching)  # fmt: skip
+        drafter.settled_like(self)
+        return drafter
+
+    def timed_step(self) -> Callable[[], None]:
+        """One drafting step: a pair through the head and its LM rows (on a cache of its own,
+        so the drafter's is untouched)."""
+        head = head_with_own_cache(self.head, 8)
         hidden = torch.zeros(1, head.cfg.hidden_size)
-        head.allocate_cache(self.features.shape[0])
-        times = []
-        with torch.inference_mode():
-            for _ in range(repeats + 1):
-                t0 = time.perf_counter()
-                head.draft_logits(head.extend(torch.zeros(1, dtype=torch.long), hidden))
-                times.append(time.perf_counter() - t0)
-        head.truncate(0)
-        return min(times[1:])
+        token = torch.zeros(1, dtype=torch.long)
+
+        @torch.inference_mode()
+        def step() -> None:
+            head.draft_logits(head.extend(token, hidden))
+            head.truncate(0)
+
+        return step
+
+
+def head_with_own_cache(head: EagleHead, slots: int) -> EagleHead:
+    """The same module (its parameters and submodules shared, not copied) with a KV cache of
+    `slots` pairs of its own: a seat of a batched engine drafts in its own cache."""
+    seat = copy.copy(head)
+    seat.k_cache = seat.v_cache = None
+    seat.allocate_cache(slots)
+    seat.truncate(0)
+    return seat

@@ -33,13 +33,18 @@ q = None means) and the model's rows after them. Greedy: q = None throughout.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
+from dataclasses import replace
 from typing import Protocol
 
 import torch
 
 from understudy.config import SamplingParams, UnderstudyError
-from understudy.drafters.base import DRAFTERS, Drafter, Proposal, register, take_options
+from understudy.drafters.base import DRAFTERS, Drafter, Proposal, Traits, register, take_options
 from understudy.drafters.draft_model import DraftModelProposer
+from understudy.drafters.ngram import NgramProposer
+from understudy.drafters.suffix import SuffixProposer
+from understudy.measure.live import LiveCostRatio
 from understudy.models.loader import LoadedModel
 from understudy.models.runner import Runner
 from understudy.policy.adaptive_k import AdaptiveK
@@ -67,60 +72,12 @@ class FreeDrafter(Protocol):
 
     def commit(self, tokens: list[int]) -> None: ...
 
+    def for_seat(self, index: int) -> FreeDrafter: ...
+
 
 def bucket(match_len: int) -> int:
     """Match lengths 1 | 2-3 | 4-7 | 8-15 | 16+ -> 0..4."""
     return min(max(match_len, 1).bit_length(), len(FREE_PRIOR)) - 1
-
-
-class LiveCostRatio:
-    """c = (seconds per draft-model guess) / (seconds per one-row target pass), from the
-    rounds' own wall times: the model's time drafting per guess it made (its catch-up on
-    tokens it has not seen is priced apart, catch_up_ratio, and timed apart), and the
-    target's time between propose() returning and the next commit() (the engine's
-    verification pass) over that pass's cost in one-row passes (pass_cost). Timed with
-    the guesses, the catch-up on a prompt makes the first model round's c several times the
-    measured one; the plans then turn to free guesses and plain passes, each probe of the
-    model catches up on every token since the last, and the estimate never recovers.
-
-    The build-time measurement (one step of each model after 32 tokens) underrates c in use:
-    the draft attends over the whole request and catches up on corrected tokens, and on a
-    CPU with native bfloat16 the target's padded pass costs the same for 1 or 16 rows (bench:
-    0.19-0.22 in use against ~0.12 measured). The estimate starts at `initial`, which counts
-    as PRIOR_ROUNDS observations; each observation decays by DECAY per round after it."""
-
-    PRIOR_ROUNDS = 2.0
-    DECAY = 0.9
-
-    def __init__(self, initial: float) -> None:
-        self.initial = initial
-        self.seconds_per_guess: float | None = None  # running means, decayed
-        self.seconds_per_pass: float | None = None
-        self.weight = 0.0  # decayed count of model rounds seen
-
-    @property
-    def value(self) -> float:
-        if self.seconds_per_guess is None or self.seconds_per_pass is None:
-            return self.initial
-        observed = self.seconds_per_guess / max(self.seconds_per_pass, 1e-9)
-        prior = self.PRIOR_ROUNDS
-        return (prior * self.initial + self.weight * observed) / (prior + self.weight)
-
-    def observe_draft(self, seconds: float, guesses: int) -> None:
-        if guesses <= 0:
-            return
-        per_guess = seconds / guesses
-        old = self.seconds_per_guess
-        self.seconds_per_guess = (
-            per_guess if old is None else self.DECAY * old + (1 - self.DECAY) * per_guess
-        )
-        self.weight = self.DECAY * self.weight + 1.0
-
-    def observe_pass(self, seconds: float) -> None:
-        old = self.seconds_per_pass
-        self.seconds_per_pass = (
-            seconds if old is None else self.DECAY * old + (1 - self.DECAY) * seconds
-        )
 
 
 def mixed_q(free: torch.Tensor, model_q: torch.Tensor) -> torch.Tensor:
@@ -139,8 +96,7 @@ class HybridProposer(Drafter):
     default: measured when the engine is built); the free drafter's own options pass through
     (suffix_decoding_*, prompt_lookup_*)."""
 
-    needs_draft_model = True
-    plans_length = True  # the engine passes the row budget as k (module docstring)
+    traits = Traits(needs_draft_model=True, plans_length=True)  # k: the row budget
 
     @classmethod
     def from_models(
@@ -154,9 +110,10 @@ class HybridProposer(Drafter):
                 f"hybrid_free must be one of {', '.join(FREE_METHODS)}, got {free_method!r}"
             )
         free = DRAFTERS[free_method].from_models(target, None, max_context, **options)
+        assert isinstance(free, NgramProposer | SuffixProposer)  # what FREE_METHODS name
         model = DraftModelProposer.from_models(target, draft, max_context)
         cost = opts["hybrid_cost_ratio"]
-        if cost is None:  # measured by the builder (use_costs), then learnt from the rounds
+        if cost is None:  # measured by the builder (settle), then learnt from the rounds
             return cls(free, model, 0.0, learn_cost=True)
         return cls(free, model, cost)
 
@@ -182,55 +139,59 @@ class HybridProposer(Drafter):
         # the whole prompt on its first use): catch_up_ratio target passes per token, shared
         # among the CATCH_UP_ROUNDS model rounds it serves
         self.catch_up_ratio = float(catch_up_ratio)
-        self.row_cost = 0.0  # v, measured by the builder (use_costs)
-        self.pass_curve: tuple[float, ...] = ()  # t(n rows) / t(1), where measured
+        self.costs = Costs()  # v and the pass curve, measured by the builder (settle)
         self.plans = {"free": 0, "model": 0, "mixed": 0, "none": 0}  # rounds, all requests
         self._reset_estimates()
         self._last: tuple[int, list[int], int, int, int] | None = None  # the round's plan
         self.prompt_length = 0  # the request's (begin)
 
-    def settle_confidence(self, automatic_k: bool) -> None:
-        self.model.settle_confidence(automatic_k)  # the draft model's rounds may stop early
-
     def draft_runner(self) -> Runner:
         return self.model.runner
 
-    def use_costs(self, costs: Costs) -> None:
-        """c (unless hybrid_cost_ratio fixed it), the catch-up cost and v, as measured. c is
-        followed from the rounds' wall times (LiveCostRatio) only on padded passes, where the
-        build's one-step timing underrates it; where the pass curve was measured (unpadded
-        passes, timed in sweeps), c stays the build's, as the draft method's floors do: one
-        slow round (the machine busy, the threads asleep after idling) weighs a third of the
-        live estimate, and plans that then leave the model out price it ever higher, since
-        each round it sits out adds to the catch-up it must make."""
+    def timed_step(self) -> Callable[[], None] | None:
+        return self.model.timed_step()
+
+    def settle(self, costs: Costs, automatic_k: bool) -> None:
+        """c (unless hybrid_cost_ratio fixed it), the catch-up cost and v, as measured; the
+        draft model's doubt rules settled alike. c is followed from the rounds' wall times
+        (LiveCostRatio) only on padded passes, where the build's one-step timing underrates
+        it; where the pass curve was measured (unpadded passes, timed in sweeps), c stays
+        the build's, as the draft method's floors do: one slow round would weigh a third of
+        the live estimate, and plans that then leave the model out price it ever higher,
+        since each round it sits out adds to the catch-up it must make."""
         if self.live_cost is not None:
             self.cost_ratio = costs.draft_step
             self.live_cost = None if costs.pass_curve else LiveCostRatio(costs.draft_step)
             self.catch_up_ratio = costs.catch_up
-        self.row_cost = costs.row
-        self.pass_curve = costs.pass_curve
-        self.model.use_costs(costs)  # the floor of its rounds' doubt (calibration.DoubtRules)
+        self.costs = costs
+        self.model.settle(costs, automatic_k)
+
+    def for_seat(self, index: int) -> HybridProposer:
+        """Its own free drafter's request state (a suffix cache across requests stays
+        shared) and its own region of the draft model's cache; the same costs."""
+        seat = HybridProposer(self.free.for_seat(index), self.model.for_seat(index),
+                              self.cost_ratio, catch_up_ratio=self.catch_up_ratio)  # fmt: skip
+        seat.costs = self.costs
+        seat.live_cost = None if self.live_cost is None else LiveCostRatio(self.cost_ratio)
+        return seat
 
     def _reset_estimates(self) -> None:
         self.free_hits = [p * PRIOR_WEIGHT for p in FREE_PRIOR]
         self.free_tries = [PRIOR_WEIGHT] * len(FREE_PRIOR)
         # P(model guess i accepted | the guesses before it were): only its estimates are used
-        self.model_estimate = AdaptiveK(MAX_MODEL_GUESSES, self.cost_ratio, self.row_cost)
+        costs = replace(self.costs, draft_step=self.cost_ratio)
+        self.model_estimate = AdaptiveK(MAX_MODEL_GUESSES, costs)
         self.plain_rounds = 0
 
     def pass_cost(self, guesses: int) -> float:
-        """A target pass checking `guesses` guesses, in 1-row passes: the measured pass curve,
-        else 1 + guesses v. One slope is the curve's at the whole row budget, and where a
-        kernel's second row group costs more than its first (the AVX2 kernels: groups of 8)
-        it overcharged the short plans most rounds take."""
-        curve = self.pass_curve
-        return curve[guesses] if guesses < len(curve) else 1.0 + guesses * self.row_cost
+        """A target pass checking `guesses` guesses, in 1-row passes (Costs.pass_cost)."""
+        return self.costs.pass_cost(guesses)
 
     def _model_accept(self, i: int) -> float:
         """P(model guess i accepted | the guesses before it were)."""
         return self.model_estimate.acceptance(i)
 
-    def plan(self, k: int, free_len: int, match_len: int, unseen: int = 0) -> tuple[int, int]:
+    def choose_mix(self, k: int, free_len: int, match_len: int, unseen: int = 0) -> tuple[int, int]:
         """(j, K): use the first j free guesses, then K model guesses, for the most expected
         tokens per unit of cost; (0, 0) (a plain pass) unless some plan beats it. `unseen`:
         tokens the draft model must catch up on before it guesses."""
@@ -273,7 +234,7 @@ class HybridProposer(Drafter):
         # priced, a long prompt's catch-up kept the model out of the first rounds, and every
         # free or plain round after them added to it
         unseen = len(tokens) - max(len(self.model.fed), self.prompt_length)
-        j, n_model = self.plan(min(k, MAX_MODEL_GUESSES), len(guesses), match_len, unseen)
+        j, n_model = self.choose_mix(min(k, MAX_MODEL_GUESSES), len(guesses), match_len, unseen)
         self.plain_rounds = self.plain_rounds + 1 if j == n_model == 0 else 0
         if self.plain_rounds >= PROBE_EVERY and k > 0:
             self.plain_rounds, n_model = 0, 1  # a probe: let the model estimates recover

@@ -87,9 +87,6 @@ class NgramIndex:
 class NgramProposer(Drafter):
     """Prompt lookup. Options: prompt_lookup_max (default 5), prompt_lookup_min (default 1)."""
 
-    needs_draft_model = False
-    batches = True
-
     @classmethod
     def from_models(
         cls, target: LoadedModel, draft: LoadedModel | None, max_context: int, **options: object

@@ -253,9 +253,6 @@ class SuffixProposer(Drafter):
     summarize prompts (64 tokens) from 3.37 to 4.51, and changed completion and chat by under
     0.03; 8.0 gained little more and guessed more rows."""
 
-    needs_draft_model = False
-    batches = True
-
     @classmethod
     def from_models(
         cls, target: LoadedModel, draft: LoadedModel | None, max_context: int, **options: object

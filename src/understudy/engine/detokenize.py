@@ -18,7 +18,9 @@ class IncrementalDetokenizer:
         self.read_offset = 0
 
     def _decode(self, ids: list[int]) -> str:
-        return self.tokenizer.decode(ids, skip_special_tokens=True)
+        assert self.tokenizer is not None  # push decodes nothing without one
+        text: str = self.tokenizer.decode(ids, skip_special_tokens=True)
+        return text
 
     def push(self, token_id: int) -> str:
         """Append one generated token; return the newly completed text (may be "")."""

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any, TypeGuard
 
 from understudy.config import UnderstudyError, is_unicode_text
+
+if TYPE_CHECKING:
+    from typing_extensions import TypeIs
 
 Prompt = str | list[int] | list[dict[str, str]]
 
@@ -19,7 +22,7 @@ def encode_prompt(prompt: Prompt, tokenizer: Any | None, vocab: int, max_context
         if not is_unicode_text(prompt):
             raise UnderstudyError("the prompt holds a lone surrogate: that is no Unicode text")
         ids = list(tokenizer(prompt)["input_ids"])
-    elif isinstance(prompt, list) and prompt and all(isinstance(m, dict) for m in prompt):
+    elif is_chat(prompt):
         ids = apply_chat_template(tokenizer, prompt)
     elif isinstance(prompt, list) and all(isinstance(t, int) for t in prompt):
         ids = list(prompt)
@@ -55,6 +58,12 @@ def apply_chat_template(tokenizer: Any | None, messages: list[dict[str, str]]) -
     return list(out["input_ids"])
 
 
-def is_batch(prompt: object) -> bool:
-    """A list of prompts (strings, token-id lists or chats), not one prompt."""
+def is_chat(prompt: object) -> TypeGuard[list[dict[str, str]]]:
+    """A chat message list: a list of dicts (apply_chat_template checks each message)."""
+    return isinstance(prompt, list) and bool(prompt) and all(isinstance(m, dict) for m in prompt)
+
+
+def is_batch(prompt: Prompt | list[Prompt]) -> TypeIs[list[Prompt]]:
+    """A list of prompts (strings, token-id lists or chats), not one prompt (an empty list
+    is the empty prompt: a list of token ids)."""
     return isinstance(prompt, list) and bool(prompt) and isinstance(prompt[0], str | list)

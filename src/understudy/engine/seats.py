@@ -8,7 +8,7 @@ at build, so admitting and retiring sequences never allocates.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Literal
 
 from understudy.config import UnderstudyError
 from understudy.drafters.base import Drafter
@@ -27,10 +27,10 @@ AUTO_SEATS = 8
 
 def can_batch(runner: Runner, drafter: Drafter | None) -> bool:
     """Whether sequences on `runner` can share target passes with this drafter."""
-    return shares_passes(runner) and (drafter is None or drafter.batches)
+    return shares_passes(runner) and (drafter is None or drafter.traits.batches)
 
 
-def make_seats(runner: Runner, drafter: Drafter | None, count: int | str) -> list[Seat]:
+def make_seats(runner: Runner, drafter: Drafter | None, count: int | Literal["auto"]) -> list[Seat]:
     """`count` seats over the target of `runner` (seat 0 is `runner` and `drafter`);
     "auto": AUTO_SEATS where `can_batch`, else 1."""
     if count == "auto":

@@ -13,15 +13,17 @@ from __future__ import annotations
 
 import time
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import Any, Literal
+
+from understudy.config import Method
 
 
 @dataclass
 class GenerationStats:
     """Field names are the `--json` "stats" keys, and keep their names."""
 
-    method: str
-    k: int | str
+    method: Method
+    k: int | Literal["auto"]
     tokens: int = 0
     target_passes: int = 0
     tokens_per_pass: float = 0.0
@@ -49,7 +51,7 @@ class GenerationStats:
 class StatsRecorder:
     """Accumulates per-round counts and times; `finish()` derives the ratios once."""
 
-    def __init__(self, method: str, k: int | str, exact: bool) -> None:
+    def __init__(self, method: Method, k: int | Literal["auto"], exact: bool) -> None:
         self.stats = GenerationStats(method=method, k=k, exact=exact)
         self._accepted_at: list[int] = []  # rounds whose i-th drafted token was accepted
         self._start = time.perf_counter()

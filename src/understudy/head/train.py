@@ -33,7 +33,7 @@ from __future__ import annotations
 import contextlib
 import math
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
@@ -184,6 +184,64 @@ def evaluate(
     return [s / max(1, n) for s in sums]
 
 
+@dataclass
+class Progress:
+    """How far training has come: optimizer steps, held-out agreement per epoch, seconds."""
+
+    step: int = 0
+    history: list[dict[str, object]] = field(default_factory=list)
+    seconds: float = 0.0
+
+
+def resume(
+    head: EagleHead, optimizer: torch.optim.Optimizer, cfg: TrainConfig, path: Path
+) -> Progress:
+    """The progress of the checkpoint at `path` (head and optimizer restored) where it was
+    written under the same config; a fresh start otherwise."""
+    if not path.exists():
+        return Progress()
+    saved = torch.load(path, weights_only=False)
+    if saved["config"] != asdict(cfg):
+        return Progress()
+    head.load_state_dict(saved["head"])
+    optimizer.load_state_dict(saved["optimizer"])
+    return Progress(saved["step"], saved["history"], saved["seconds"])
+
+
+def save_checkpoint(
+    head: EagleHead, optimizer: torch.optim.Optimizer, cfg: TrainConfig, done: Progress, path: Path
+) -> None:
+    """Write the checkpoint whole or not at all (a temporary file, renamed)."""
+    state = {
+        "head": head.state_dict(),
+        "optimizer": optimizer.state_dict(),
+        "step": done.step,
+        "history": done.history,
+        "seconds": done.seconds,
+        "config": asdict(cfg),
+    }
+    torch.save(state, path.with_suffix(".tmp"))
+    path.with_suffix(".tmp").rename(path)
+
+
+def optimizer_step(
+    head: EagleHead,
+    optimizer: torch.optim.Optimizer,
+    batch: dict[str, torch.Tensor],  # the rows of train_data this step trains on (and "kept")
+    cfg: TrainConfig,
+    feature_scale: float,
+) -> tuple[float, list[float]]:
+    """One optimizer step on `batch`: its loss and per-step agreement."""
+    params = [p for p in head.parameters() if p.requires_grad]
+    with training_autocast(cfg.precision, head.fc.weight.device):
+        loss, agree = batch_losses(head, batch, slice(None), cfg, feature_scale, cfg.feature_noise)
+    optimizer.zero_grad()
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(params, 1.0)
+    optimizer.step()
+    return loss.item(), agree
+
+
 def train(
     head: EagleHead,
     train_data: dict[str, torch.Tensor],
@@ -192,7 +250,8 @@ def train(
     folder: Path,
     progress: bool = True,
 ) -> dict[str, object]:
-    """Train `head` in place; returns the facts worth keeping (config, losses, agreement)."""
+    """Train `head` in place; returns the facts worth keeping (config, losses, agreement).
+    Resumes from the folder's checkpoint, written every cfg.checkpoint_every steps."""
     torch.manual_seed(cfg.seed)
     folder.mkdir(parents=True, exist_ok=True)
     n = train_data["tokens"].shape[0]
@@ -201,61 +260,44 @@ def train(
     feature_scale = float(train_data["features"][: min(n, 8)].float().std())
     params = [p for p in head.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
-    step, history, spent = 0, [], 0.0
     checkpoint = folder / CHECKPOINT
-    if checkpoint.exists():
-        saved = torch.load(checkpoint, weights_only=False)
-        if saved["config"] == asdict(cfg):
-            head.load_state_dict(saved["head"])
-            optimizer.load_state_dict(saved["optimizer"])
-            step, history, spent = saved["step"], saved["history"], saved["seconds"]
-
-    def save() -> None:
-        state = {
-            "head": head.state_dict(),
-            "optimizer": optimizer.state_dict(),
-            "step": step,
-            "history": history,
-            "seconds": spent,
-            "config": asdict(cfg),
-        }
-        torch.save(state, checkpoint.with_suffix(".tmp"))
-        checkpoint.with_suffix(".tmp").rename(checkpoint)
-
+    done = resume(head, optimizer, cfg, checkpoint)
+    history = done.history
     head.train()
     bar = tqdm(
-        total=total_steps, initial=step, unit="step", desc="train head", disable=not progress
+        total=total_steps, initial=done.step, unit="step", desc="train head", disable=not progress
     )
-    while step < total_steps:
-        epoch, offset = divmod(step, steps_per_epoch)
+    while done.step < total_steps:
+        epoch, offset = divmod(done.step, steps_per_epoch)
         order = torch.randperm(n, generator=torch.Generator().manual_seed(cfg.seed + epoch))
         rows = order[offset * cfg.batch : (offset + 1) * cfg.batch]
+        batch = {
+            key: train_data[key][rows]
+            for key in ("tokens", "features", "argmax", "kept")
+            if key in train_data
+        }
         t0 = time.perf_counter()
         for group in optimizer.param_groups:
-            group["lr"] = _lr_at(step, total_steps, cfg)
-        with training_autocast(cfg.precision, head.fc.weight.device):
-            loss, agree = batch_losses(
-                head, train_data, rows, cfg, feature_scale, cfg.feature_noise
-            )
-        optimizer.zero_grad()
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(params, 1.0)
-        optimizer.step()
-        spent += time.perf_counter() - t0
-        step += 1
+            group["lr"] = _lr_at(done.step, total_steps, cfg)
+        loss, agree = optimizer_step(head, optimizer, batch, cfg, feature_scale)
+        done.seconds += time.perf_counter() - t0
+        done.step += 1
         bar.update(1)
-        bar.set_postfix(loss=f"{loss.item():.3f}", agree1=f"{agree[0]:.2f}")
-        end_of_epoch = step % steps_per_epoch == 0
+        bar.set_postfix(loss=f"{loss:.3f}", agree1=f"{agree[0]:.2f}")
+        end_of_epoch = done.step % steps_per_epoch == 0
         if end_of_epoch:
             head.eval()
             val = evaluate(head, val_data, cfg, feature_scale)
             head.train()
-            history.append({"epoch": step // steps_per_epoch, "step": step, "val_agree": val})
-            bar.write(f"epoch {step // steps_per_epoch}: held-out agreement per step {val}")
-        if end_of_epoch or step % cfg.checkpoint_every == 0:
-            save()
+            history.append(
+                {"epoch": done.step // steps_per_epoch, "step": done.step, "val_agree": val}
+            )
+            bar.write(f"epoch {done.step // steps_per_epoch}: held-out agreement per step {val}")
+        if end_of_epoch or done.step % cfg.checkpoint_every == 0:
+            save_checkpoint(head, optimizer, cfg, done, checkpoint)
     bar.close()
     head.eval()
+    spent = done.seconds
     return {
         "train": asdict(cfg),
         "train_sequences": n,

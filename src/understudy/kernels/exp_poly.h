@@ -29,4 +29,21 @@ static inline float exp_nonpositive(float x) {
     return p * two_n;
 }
 
+/* tanh(x) in the same plain arithmetic (a soft cap's, a tanh-approximated GELU's): the odd
+   series x - x^3/3 + 2x^5/15 - 17x^7/315 + 62x^9/2835 where |x| < 1/4 (its next term is
+   below 1e-8 of x there), else (1 - e) / (1 + e) with e = exp(-2|x|), the sign restored.
+   Both are computed and one selected, so a loop of it vectorises and gives a scalar
+   evaluation's bits. */
+static inline float tanh_poly(float x) {
+    const float a = x < 0.0f ? -x : x, x2 = x * x;
+    float series = 62.0f / 2835.0f;
+    series = series * x2 - 17.0f / 315.0f;
+    series = series * x2 + 2.0f / 15.0f;
+    series = series * x2 - 1.0f / 3.0f;
+    series = (series * x2 + 1.0f) * x;
+    const float e = exp_nonpositive(-2.0f * a);
+    const float t = (1.0f - e) / (1.0f + e);
+    return a < 0.25f ? series : (x < 0.0f ? -t : t);
+}
+
 #endif

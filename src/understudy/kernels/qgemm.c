@@ -5,17 +5,20 @@
  * zero columns); a panel holds, block after block, the 16 columns' block b side by side,
  * so one 512-bit register holds 4 consecutive values of each of the 16 columns and one
  * int8 dot-product instruction advances 16 columns at once against 4 activations
- * broadcast. The bytes are the same blocks rearranged (the same count, plus 64 bytes of
- * unpacked scales per Q4_K panel-block); the weights are read once per call, at memory
- * speed, for 1 row as for several.
+ * broadcast. The bytes are the same blocks rearranged (about the same count: unpacked
+ * sub-block scales add up to 64 bytes a panel-block; qgemm_blocks.h has every layout); the
+ * weights are read once per call, at memory speed, for 1 row as for several.
  *
  * How: each row of x is quantized on its own to int8, one float scale per block of the
- * weight's block size (256 for the k-quants Q4_K and Q6_K, 32 for Q8_0, Q5_0 and Q4_0), with the
- * sums of each 16 quantized values (the offsets and mins need them). A block's
- * contribution to y[m, n] is an exact integer (its 4-bit x 8-bit products summed in int32,
- * times the integer sub-block scales) converted to float once and multiplied by the float
- * product s * d of the row's and the column's block scales; one float accumulator per
- * (row, column) takes the blocks in order, with fused multiply-adds; then the bias.
+ * weight's block size (256 for the k-quants and IQ4_XS, 32 for Q8_0, Q5_0, Q5_1, Q4_0,
+ * Q4_1 and IQ4_NL), with the sums of each 16 quantized values (the offsets and mins need
+ * them). A block's contribution to y[m, n] is an exact integer (its quants' products with
+ * the row's int8 values summed in int32, times the integer sub-block scales) converted to
+ * float once and multiplied by the float product s * d of the row's and the column's block
+ * scales; where the type has mins, their integer sum likewise, times s * dmin; one float
+ * accumulator per (row, column) takes the blocks in order, with fused multiply-adds; then
+ * the bias. F16 and BF16 weights are not quantized blocks: qgemm_float.h multiplies them
+ * in float32, one chain of fused multiply-adds per (row, column), as kernels/rowgemm.c does.
  *
  * Invariant: every step depends only on row m of x and column n of W, in one fixed order.
  * Integer sums are exact whatever their grouping. So y[m, n] is bitwise the same whether
@@ -51,208 +54,45 @@
 #define QG_UNUSED_IN_SIMD
 #endif
 
-/* ggml's type ids */
-#define T_Q4_0 2
-#define T_Q5_0 6
-#define T_Q8_0 8
-#define T_Q4_K 12
-#define T_Q6_K 14
+#include "qgemm_blocks.h"
 
-#define PANEL 16 /* columns side by side */
 #define MAX_PARTS 4 /* weights in one understudy_qgemm_parts call */
 #define ROW_TILE 32 /* rows whose activations one pass over the panels serves (L2-sized) */
 /* multiply-adds: smaller calls run on one thread (no fork/join). A one-row call of the 0.5B
  * draft's output projection (896 x 896, 0.8M) reads its 0.45 MB at ~12.5 GB/s on one thread
  * of the 2-core Zen 3 and ~19 on two, where the fork costs a few microseconds */
 #define SERIAL_BELOW 1e5
+/* A call of one tile of rows gives each thread a run of panels, which it takes in order
+ * from the front; a thread done with its own run takes the others' next panels: two threads
+ * do not finish equal shares together (their streams from memory are not served alike),
+ * and the first had waited at the join. A thread's panels stay contiguous while it works
+ * alone, which the hardware prefetchers need (every panel handed out from one shared
+ * counter measured 1.14-1.19x slower) */
+#define MAX_RANGES 64 /* threads with a run of their own; more take the others' runs */
+typedef struct {
+    long next, end;
+    char pad[48]; /* a run a cache line: its owner's counter is not another's */
+} __attribute__((aligned(64))) range_t;
 
-static float half_to_float(uint16_t h) {
-    uint32_t sign = (uint32_t)(h & 0x8000) << 16, exp = (h >> 10) & 0x1f, man = h & 0x3ff, bits;
-    if (exp == 0x1f) {
-        bits = sign | 0x7f800000u | (man << 13);
-    } else if (exp == 0) {
-        if (man == 0) {
-            bits = sign;
-        } else { /* subnormal: renormalise */
-            int e = -1;
-            do {
-                man <<= 1;
-                ++e;
-            } while (!(man & 0x400));
-            bits = sign | ((uint32_t)(112 - e) << 23) | ((man & 0x3ff) << 13);
-        }
-    } else {
-        bits = sign | ((exp + 112) << 23) | (man << 13);
-    }
-    float f;
-    memcpy(&f, &bits, 4);
-    return f;
+static int is_float(int type) { return type == T_F16 || type == T_BF16; }
+
+/* values a block (F16, BF16: 1, a panel-block one value of each column); 0: not a type the
+ * kernel takes */
+static long block_size(int type) {
+    const layout_t *L = layout_of(type);
+    return is_float(type) ? 1 : L ? L->values : 0;
 }
-
-static uint16_t read_u16(const uint8_t *p) { return (uint16_t)(p[0] | (p[1] << 8)); }
-
-static long block_size(int type) { return type == T_Q4_K || type == T_Q6_K ? 256 : 32; }
 
 /* bytes of one GGUF block */
 static long block_bytes(int type) {
-    switch (type) {
-    case T_Q4_K: return 144;
-    case T_Q6_K: return 210;
-    case T_Q8_0: return 34;
-    case T_Q5_0: return 22;
-    case T_Q4_0: return 18;
-    default: return 0;
-    }
+    const layout_t *L = layout_of(type);
+    return is_float(type) ? 2 : L ? L->gguf_bytes : 0;
 }
 
-/* bytes of one panel-block: 16 columns' block b (the layouts below) */
+/* bytes of one panel-block: 16 columns' block b (qgemm_blocks.h; F16, BF16: 16 values) */
 static long panel_bytes(int type) {
-    switch (type) {
-    case T_Q4_K: return 2368;
-    case T_Q6_K: return 3360;
-    case T_Q8_0: return 544;
-    case T_Q5_0: return 352;
-    case T_Q4_0: return 288;
-    default: return 0;
-    }
-}
-
-/* ---- GGUF blocks, unpacked (value order) ------------------------------------------------ */
-
-/* Q4_K: value e = d * sc[e / 32] * q[e] - dmin * mn[e / 32], q 0..15 */
-static void unpack_q4_k(const uint8_t *blk, uint8_t q[256], int sc[8], int mn[8], uint16_t *d,
-                        uint16_t *dmin) {
-    const uint8_t *s = blk + 4, *qs = blk + 16;
-    *d = read_u16(blk);
-    *dmin = read_u16(blk + 2);
-    for (int j = 0; j < 8; ++j) {
-        if (j < 4) {
-            sc[j] = s[j] & 63;
-            mn[j] = s[j + 4] & 63;
-        } else {
-            sc[j] = (s[j + 4] & 0xf) | ((s[j - 4] >> 6) << 4);
-            mn[j] = (s[j + 4] >> 4) | ((s[j] >> 6) << 4);
-        }
-    }
-    for (int c = 0; c < 4; ++c)
-        for (int i = 0; i < 32; ++i) {
-            q[64 * c + i] = qs[32 * c + i] & 0xf;
-            q[64 * c + 32 + i] = qs[32 * c + i] >> 4;
-        }
-}
-
-/* Q6_K: value e = d * sc[e / 16] * (q[e] - 32), q 0..63 */
-static void unpack_q6_k(const uint8_t *blk, uint8_t q[256], int8_t sc[16], uint16_t *d) {
-    const uint8_t *ql = blk, *qh = blk + 128;
-    memcpy(sc, blk + 192, 16);
-    *d = read_u16(blk + 208);
-    for (int h = 0; h < 2; ++h)
-        for (int f = 0; f < 128; ++f) {
-            uint8_t lo = ql[64 * h + (f & 63)];
-            lo = f < 64 ? (lo & 0xf) : (lo >> 4);
-            uint8_t hi = (qh[32 * h + (f & 31)] >> (2 * (f / 32))) & 3;
-            q[128 * h + f] = (uint8_t)(lo | (hi << 4));
-        }
-}
-
-/* Q8_0, Q5_0 and Q4_0: value e = d * w[e], w signed (Q5_0: its 5-bit q - 16; Q4_0: its
- * 4-bit q - 8) */
-static void unpack_32(int type, const uint8_t *blk, int8_t w[32], uint16_t *d) {
-    *d = read_u16(blk);
-    if (type == T_Q8_0) {
-        memcpy(w, blk + 2, 32);
-        return;
-    }
-    if (type == T_Q4_0) {
-        for (int i = 0; i < 32; ++i) w[i] = (int8_t)((i < 16 ? (blk[2 + i] & 0xf) : (blk[2 + i - 16] >> 4)) - 8);
-        return;
-    }
-    uint32_t qh = (uint32_t)blk[2] | ((uint32_t)blk[3] << 8) | ((uint32_t)blk[4] << 16) |
-                  ((uint32_t)blk[5] << 24);
-    const uint8_t *qs = blk + 6;
-    for (int i = 0; i < 32; ++i) {
-        int lo = i < 16 ? (qs[i] & 0xf) : (qs[i - 16] >> 4);
-        w[i] = (int8_t)((lo | (((qh >> i) & 1) << 4)) - 16);
-    }
-}
-
-/* ---- the panel layouts --------------------------------------------------------------------
- * Column c (0..15) of a panel; "pair t" is 64 bytes whose byte 4c + i holds, in its low
- * nibble, value 8t + i of column c and, in its high nibble, value 8t + 4 + i (i = 0..3), so
- * one load gives two registers of 4 values x 16 columns.
- *
- * Q4_K, 2368 bytes: d[16], dmin[16] (float16); sc[8][16] (u8, sub-block j's scale of column
- *   c); mn[4][16][2] (u8, the mins of sub-blocks 2p, 2p + 1 of column c); 32 pairs.
- * Q6_K, 3360 bytes: d[16] (float16); sc[8][16][2] (int8, the scales of 16-value sub-blocks
- *   2p, 2p + 1); 32 pairs of the low 4 bits; 16 quads of the top 2 bits: quad u's byte
- *   4c + i holds those of values 16u + i, + 4, + 8, + 12 of column c at bits 0, 2, 4, 6.
- * Q8_0, 544 bytes: d[16] (float16); 8 groups of 64 bytes, byte 4c + i = w(c, 4g + i) + 128.
- * Q5_0, 352 bytes: d[16] (float16); 4 pairs of its low 4 bits; 8 groups of 8 bytes of its
- *   fifth bits, bit 4c + i of group g that of value 4g + i of column c (the AVX2 build
- *   orders these 64 bytes as its kernel reads them: qgemm_avx2.h's b32_half).
- * Q4_0, 288 bytes: d[16] (float16); 4 pairs of its 4-bit q. */
-
-static void pack_pairs(uint8_t *out, const uint8_t *q, long stride, int values) {
-    /* q: column c's values at q + c * stride; low 4 bits of each */
-    for (int t = 0; t < values / 8; ++t)
-        for (int c = 0; c < PANEL; ++c)
-            for (int i = 0; i < 4; ++i)
-                out[64 * t + 4 * c + i] = (uint8_t)((q[c * stride + 8 * t + i] & 0xf) |
-                                                    ((q[c * stride + 8 * t + 4 + i] & 0xf) << 4));
-}
-
-static void pack_block(int type, const uint8_t *const blk[PANEL], uint8_t *out) {
-    long bytes = panel_bytes(type);
-    uint8_t q[PANEL][256];
-    memset(out, 0, (size_t)bytes);
-    memset(q, 0, sizeof(q));
-    for (int c = 0; c < PANEL; ++c) {
-        if (!blk[c]) continue; /* a padding column: all zero */
-        uint16_t d, dmin;
-        if (type == T_Q4_K) {
-            int sc[8], mn[8];
-            unpack_q4_k(blk[c], q[c], sc, mn, &d, &dmin);
-            memcpy(out + 2 * c, &d, 2);
-            memcpy(out + 32 + 2 * c, &dmin, 2);
-            for (int j = 0; j < 8; ++j) {
-                out[64 + 16 * j + c] = (uint8_t)sc[j];
-                out[192 + 32 * (j / 2) + 2 * c + j % 2] = (uint8_t)mn[j];
-            }
-        } else if (type == T_Q6_K) {
-            int8_t sc[16];
-            unpack_q6_k(blk[c], q[c], sc, &d);
-            memcpy(out + 2 * c, &d, 2);
-            for (int j = 0; j < 16; ++j) out[32 + 32 * (j / 2) + 2 * c + j % 2] = (uint8_t)sc[j];
-            for (int u = 0; u < 16; ++u)
-                for (int i = 0; i < 4; ++i) {
-                    uint8_t h = 0;
-                    for (int k = 0; k < 4; ++k) h |= (uint8_t)((q[c][16 * u + 4 * k + i] >> 4) << (2 * k));
-                    out[2336 + 64 * u + 4 * c + i] = h;
-                }
-        } else {
-            int8_t w[32];
-            unpack_32(type, blk[c], w, &d);
-            memcpy(out + 2 * c, &d, 2);
-            for (int e = 0; e < 32; ++e) {
-                if (type == T_Q8_0) {
-                    out[32 + 64 * (e / 4) + 4 * c + e % 4] = (uint8_t)(w[e] + 128);
-                } else if (type == T_Q4_0) {
-                    q[c][e] = (uint8_t)(w[e] + 8); /* 0..15 */
-                } else {
-                    int v = w[e] + 16; /* 0..31 */
-                    q[c][e] = (uint8_t)(v & 0xf);
-#if QG_AVX2 /* the fifth bits as qgemm_avx2.h's b32_half reads them */
-                    if (v & 0x10) out[288 + 32 * (c / 8) + 4 * (c % 8) + e % 4] |= (uint8_t)(1u << (e / 4));
-#else
-                    if (v & 0x10) out[288 + 8 * (e / 4) + (4 * c + e % 4) / 8] |= (uint8_t)(1u << ((4 * c + e % 4) % 8));
-#endif
-                }
-            }
-        }
-    }
-    if (type == T_Q4_K) pack_pairs(out + 320, &q[0][0], 256, 256);
-    if (type == T_Q6_K) pack_pairs(out + 288, &q[0][0], 256, 256);
-    if (type == T_Q5_0 || type == T_Q4_0) pack_pairs(out + 32, &q[0][0], 256, 32);
+    const layout_t *L = layout_of(type);
+    return is_float(type) ? 2 * PANEL : L ? L->bytes : 0;
 }
 
 /* Bytes of W [N, K] of `type` packed (0: a type or K it does not take). */
@@ -271,7 +111,16 @@ int understudy_qpack(int type, const uint8_t *w, long row_bytes, long K, long N,
     if (understudy_qpack_bytes(type, K, N) == 0 || row_bytes < K / bsize * bbytes) return -1;
     long nb = K / bsize, panels = (N + PANEL - 1) / PANEL;
 #pragma omp parallel for schedule(static) num_threads(threads > 0 ? threads : 1)
-    for (long p = 0; p < panels; ++p)
+    for (long p = 0; p < panels; ++p) {
+        if (is_float(type)) { /* [K][16] values, padding columns zero */
+            uint16_t *o = (uint16_t *)(out + p * nb * pb);
+            for (long k = 0; k < K; ++k)
+                for (int c = 0; c < PANEL; ++c) {
+                    long n = p * PANEL + c;
+                    o[k * PANEL + c] = n < N ? read_u16(w + n * row_bytes + 2 * k) : 0;
+                }
+            continue;
+        }
         for (long b = 0; b < nb; ++b) {
             const uint8_t *blk[PANEL];
             for (int c = 0; c < PANEL; ++c) {
@@ -280,6 +129,7 @@ int understudy_qpack(int type, const uint8_t *w, long row_bytes, long K, long N,
             }
             pack_block(type, blk, out + (p * nb + b) * pb);
         }
+    }
     return 0;
 }
 
@@ -318,82 +168,83 @@ typedef struct {
 } acts_t;
 
 /* ---- the portable path -------------------------------------------------------------------
- * One panel for one row: out[c] = the float accumulator of column c after every block. */
-QG_UNUSED_IN_SIMD static void panel_row(int type, const uint8_t *pk, const acts_t *A, long m, float out[PANEL]) {
-    const long K = A->K, nb = A->nb, pb = panel_bytes(type);
-    const int8_t *a = A->q + m * K;
-    const float *s = A->s + m * nb;
-    const int16_t *s16 = A->s16 + m * (K / 16), *s32 = A->s32 + m * (K / 32);
-    float f[PANEL] = {0};
-    for (long b = 0; b < nb; ++b) {
-        const uint8_t *blk = pk + b * pb;
-        int32_t isum[PANEL] = {0}, jsum[PANEL] = {0};
-        if (type == T_Q4_K || type == T_Q6_K) {
-            const int q4 = type == T_Q4_K, subs = q4 ? 8 : 16, width = 256 / subs;
-            const uint8_t *lo4 = blk + (q4 ? 320 : 288), *top = blk + 2336;
-            const int8_t *ab = a + 256 * b;
+ * Rows m0..m0+rows-1 (at most ROW_TILE) of one panel, each panel-block decoded once for all
+ * of them (panel_decode): for row m and column c, I = sum_j sc_j * (sum over sub-block j of
+ * v_e a_e) and J = sum_j mn_j * (sum over sub-block j of a_e), exact integers; then
+ * f = fma(I, s * d, f) and, where the type has mins, f = fma(-J, s * dm, f). The SIMD paths
+ * form the same I and J their own ways (offsets of stored codes taken off through the
+ * rows' sums per 16 or 32 values) and take the same float steps.
+ * y[r * ldy + c] = f + bias[c], columns < cols. */
+QG_UNUSED_IN_SIMD static void panel_rows_portable(int type, const uint8_t *pk, const acts_t *A, long m0,
+                                                  long rows, const float *bias, float *y, long ldy,
+                                                  long cols) {
+    const layout_t *L = layout_of(type);
+    const int subs = L->values / L->width, mins = L->mn_form != MN_NONE;
+    float f[ROW_TILE][PANEL] = {{0}};
+    panel_block_t P;
+    for (long b = 0; b < A->nb; ++b) {
+        panel_decode(type, pk + b * L->bytes, &P);
+        for (long r = 0; r < rows; ++r) {
+            const int8_t *a = A->q + (m0 + r) * A->K + b * L->values;
+            const float s = A->s[(m0 + r) * A->nb + b];
+            int32_t isum[PANEL] = {0}, jsum[PANEL] = {0};
             for (int j = 0; j < subs; ++j) {
-                int32_t dot[PANEL] = {0};
-                for (int e = width * j; e < width * (j + 1); ++e) {
-                    const uint8_t *pair = lo4 + 64 * (e / 8);
-                    const int i = e % 4, high = e % 8 >= 4;
-                    for (int c = 0; c < PANEL; ++c) {
-                        int v = high ? pair[4 * c + i] >> 4 : pair[4 * c + i] & 0xf;
-                        if (!q4) v |= ((top[64 * (e / 16) + 4 * c + i] >> (2 * (e % 16 / 4))) & 3) << 4;
-                        dot[c] += v * ab[e];
-                    }
+                int32_t dot[PANEL] = {0}, asum = 0;
+                for (int e = L->width * j; e < L->width * (j + 1); ++e) {
+                    asum += a[e];
+                    for (int c = 0; c < PANEL; ++c) dot[c] += P.v[e][c] * a[e];
                 }
                 for (int c = 0; c < PANEL; ++c) {
-                    int scale = q4 ? blk[64 + 16 * j + c]
-                                   : (int8_t)blk[32 + 32 * (j / 2) + 2 * c + j % 2];
-                    isum[c] += dot[c] * scale;
+                    isum[c] += dot[c] * P.sc[j][c];
+                    jsum[c] += P.mn[j][c] * asum;
                 }
             }
-            for (int j = 0; j < subs; ++j) /* mins (Q4_K) or 32 x scales (Q6_K) x sums */
-                for (int c = 0; c < PANEL; ++c)
-                    jsum[c] += q4 ? blk[192 + 32 * (j / 2) + 2 * c + j % 2] * s32[8 * b + j]
-                                  : (int8_t)blk[32 + 32 * (j / 2) + 2 * c + j % 2] * s16[16 * b + j];
             for (int c = 0; c < PANEL; ++c) {
-                float sd = s[b] * half_to_float(read_u16(blk + 2 * c));
-                if (q4) {
-                    float sm = s[b] * half_to_float(read_u16(blk + 32 + 2 * c));
-                    f[c] = fmaf((float)isum[c], sd, f[c]);
-                    f[c] = fmaf(-(float)jsum[c], sm, f[c]);
-                } else {
-                    f[c] = fmaf((float)(isum[c] - 32 * jsum[c]), sd, f[c]);
-                }
-            }
-        } else {
-            const int q8 = type == T_Q8_0;
-            const int8_t *ab = a + 32 * b;
-            for (int e = 0; e < 32; ++e)
-                for (int c = 0; c < PANEL; ++c) {
-                    int v;
-                    if (q8) {
-                        v = blk[32 + 64 * (e / 4) + 4 * c + e % 4];
-                    } else {
-                        const uint8_t *pair = blk + 32 + 64 * (e / 8);
-                        v = e % 8 >= 4 ? pair[4 * c + e % 4] >> 4 : pair[4 * c + e % 4] & 0xf;
-                        int bit = 4 * c + e % 4;
-                        if (type == T_Q5_0) v |= ((blk[288 + 8 * (e / 4) + bit / 8] >> (bit % 8)) & 1) << 4;
-                    }
-                    isum[c] += v * ab[e];
-                }
-            const int32_t offset = (q8 ? 128 : type == T_Q5_0 ? 16 : 8) * (int32_t)s32[b];
-            for (int c = 0; c < PANEL; ++c) {
-                float sd = s[b] * half_to_float(read_u16(blk + 2 * c));
-                f[c] = fmaf((float)(isum[c] - offset), sd, f[c]);
+                f[r][c] = fmaf((float)isum[c], s * P.d[c], f[r][c]);
+                if (mins) f[r][c] = fmaf(-(float)jsum[c], s * P.dm[c], f[r][c]);
             }
         }
     }
-    memcpy(out, f, sizeof(f));
+    for (long r = 0; r < rows; ++r)
+        for (long c = 0; c < cols; ++c) y[r * ldy + c] = bias ? f[r][c] + bias[c] : f[r][c];
 }
 
 #if QG_AVX512
 #include "qgemm_avx512.h"
+#include "qgemm_avx2.h" /* the bodies of the types qgemm_avx512.h has none for */
 #elif QG_AVX2
 #include "qgemm_avx2.h"
 #endif
+#include "qgemm_float.h"
+
+/* Rows m0..m0+rows-1 of one panel of a type with blocks, by this build's body for it; `next`:
+ * the part's next panel (NULL after its last), which the AVX2 bodies ask memory for */
+static void panel_rows(int type, const uint8_t *pk, const uint8_t *next, const acts_t *A, long m0,
+                       long rows, const float *bias, float *y, long ldy, long cols) {
+#if QG_AVX512
+    switch (type) { /* the types qgemm_avx512.h has a body for (Q5_0's panels are this build's
+                     * own); the others run the AVX2 one, the same bits from the same panels */
+    case T_Q4_K:
+    case T_Q5_K:
+    case T_Q6_K:
+    case T_Q8_0:
+    case T_Q5_0:
+    case T_Q4_0:
+    case T_IQ4_XS:
+    case T_Q3_K:
+    case T_Q2_K:
+    case T_Q4_1:
+    case T_Q5_1:
+    case T_IQ4_NL: panel_rows512(type, pk, A, m0, rows, bias, y, ldy, cols); break;
+    default: panel_rows_avx2(type, pk, next, A, m0, rows, bias, y, ldy, cols); break;
+    }
+#elif QG_AVX2 /* a body for every type */
+    panel_rows_avx2(type, pk, next, A, m0, rows, bias, y, ldy, cols);
+#else
+    (void)next;
+    panel_rows_portable(type, pk, A, m0, rows, bias, y, ldy, cols);
+#endif
+}
 
 /* ---- the call ------------------------------------------------------------------------- */
 
@@ -433,6 +284,38 @@ static void acts_quantize(const float *x, long m, const acts_t *A) {
     for (long g = 0; g < K / 32; ++g) s32[g] = (int16_t)(s16[2 * g] + s16[2 * g + 1]);
 }
 
+/* One understudy_qgemm_parts call, as its panel jobs read it */
+typedef struct {
+    const int *types;
+    const uint8_t *const *packed;
+    const float *const *bias;
+    const long *first, *N, *panels_before; /* per part; panels_before[parts]: all panels */
+    const float *x;
+    float *y;
+    long ldy, K;
+    const acts_t *A; /* the activations in blocks of 32 and of 256 */
+} call_t;
+
+/* Panel i of the call (its parts' panels in order), rows m0 .. m0 + rows - 1 */
+static void panel_job(const call_t *c, long i, long m0, long rows) {
+    long p = 0;
+    while (i >= c->panels_before[p + 1]) ++p;
+    const int type = c->types[p];
+    const acts_t *Ap = &c->A[block_size(type) == 256];
+    const long panel = i - c->panels_before[p], pb = panel_bytes(type);
+    const long blocks = c->K / block_size(type); /* a panel's panel-blocks */
+    const uint8_t *pk = c->packed[p] + panel * blocks * pb;
+    /* the part's next panel, for the AVX2 path's prefetch (NULL after its last) */
+    const uint8_t *next = i + 1 < c->panels_before[p + 1] ? pk + blocks * pb : NULL;
+    const float *b = c->bias[p] ? c->bias[p] + panel * PANEL : NULL;
+    float *out = c->y + m0 * c->ldy + c->first[p] + panel * PANEL;
+    long cols = c->N[p] - panel * PANEL < PANEL ? c->N[p] - panel * PANEL : PANEL;
+    if (is_float(type))
+        float_rows(type, pk, c->x + m0 * c->K, c->K, rows, b, out, c->ldy, cols);
+    else
+        panel_rows(type, pk, next, Ap, m0, rows, b, out, c->ldy, cols);
+}
+
 /* Several weights against one x, in one call: part p writes y's columns first[p] ..
  * first[p] + N[p] - 1, x W_p^T (+ bias[p]); W_p [N[p], K] of types[p] in the panel layout
  * (understudy_qpack), bias[p] [N[p]] or NULL; x [M, K] float32; y [M, ldy] float32.
@@ -446,14 +329,14 @@ int understudy_qgemm_parts(long parts, const int *types, const uint8_t *const *p
                            const float *const *bias, const long *first, const long *N,
                            const float *x, float *y, long ldy, long M, long K, int threads) {
     long panels_before[MAX_PARTS + 1] = {0}, columns = 0;
-    int needs[2] = {0, 0}; /* block size 32, 256 */
+    int needs[2] = {0, 0}; /* activations quantized in blocks of 32, 256 */
     if (parts < 1 || parts > MAX_PARTS || K <= 0) return -1;
     for (long p = 0; p < parts; ++p) {
         long bsize = block_size(types[p]);
         if (panel_bytes(types[p]) == 0 || K % bsize != 0 || N[p] < 0 || first[p] < 0 ||
             first[p] + N[p] > ldy)
             return -1;
-        needs[bsize == 256] = 1;
+        if (!is_float(types[p])) needs[bsize == 256] = 1;
         panels_before[p + 1] = panels_before[p] + (N[p] + PANEL - 1) / PANEL;
         columns += N[p];
     }
@@ -468,6 +351,10 @@ int understudy_qgemm_parts(long parts, const int *types, const uint8_t *const *p
         return code;
     }
     const long total = panels_before[parts];
+    const call_t c = {types, packed, bias, first, N, panels_before, x, y, ldy, K, A};
+    range_t ranges[MAX_RANGES]; /* thread t's run of panels, taken from its front */
+    const long nr = threads < MAX_RANGES ? threads : MAX_RANGES;
+    for (long t = 0; t < nr; ++t) ranges[t] = (range_t){total * t / nr, total * (t + 1) / nr};
 #pragma omp parallel num_threads(threads) if (threads > 1)
     {
         for (int g = 0; g < 2; ++g) {
@@ -475,33 +362,28 @@ int understudy_qgemm_parts(long parts, const int *types, const uint8_t *const *p
 #pragma omp for schedule(static)
             for (long m = 0; m < M; ++m) acts_quantize(x, m, &A[g]);
         }
-        for (long m0 = 0; m0 < M; m0 += ROW_TILE) {
-            long rows = M - m0 < ROW_TILE ? M - m0 : ROW_TILE;
-#pragma omp for schedule(static)
-            for (long i = 0; i < total; ++i) {
-                long p = 0;
-                while (i >= panels_before[p + 1]) ++p;
-                const int type = types[p];
-                const acts_t *Ap = &A[block_size(type) == 256];
-                const long panel = i - panels_before[p], pb = panel_bytes(type);
-                const uint8_t *pk = packed[p] + panel * Ap->nb * pb;
-                const float *b = bias[p] ? bias[p] + panel * PANEL : NULL;
-                float *out = y + m0 * ldy + first[p] + panel * PANEL;
-                long cols = N[p] - panel * PANEL < PANEL ? N[p] - panel * PANEL : PANEL;
-#if QG_AVX512
-                panel_rows512(type, pk, Ap, m0, rows, b, out, ldy, cols);
-#elif QG_AVX2
-                /* the part's next panel, for the prefetch (NULL after its last) */
-                const uint8_t *next = i + 1 < panels_before[p + 1] ? pk + Ap->nb * pb : NULL;
-                panel_rows_avx2(type, pk, next, Ap, m0, rows, b, out, ldy, cols);
-#else
-                for (long m = m0; m < m0 + rows; ++m) {
-                    float acc[PANEL];
-                    panel_row(type, pk, Ap, m, acc);
-                    for (long c = 0; c < cols; ++c)
-                        out[(m - m0) * ldy + c] = b ? acc[c] + b[c] : acc[c];
-                }
+        if (M <= ROW_TILE) {
+            /* one tile of rows (decoding, verifying): each thread its own run of panels, in
+             * order, then the rest of the others' runs, one panel at a time */
+            long t = 0;
+#ifdef _OPENMP
+            t = omp_get_thread_num();
 #endif
+            for (long k = 0; k < nr; ++k) {
+                range_t *r = &ranges[(t + k) % nr];
+                for (;;) {
+                    long i;
+#pragma omp atomic capture
+                    i = r->next++;
+                    if (i >= r->end) break;
+                    panel_job(&c, i, 0, M);
+                }
+            }
+        } else {
+            for (long m0 = 0; m0 < M; m0 += ROW_TILE) {
+#pragma omp for schedule(static)
+                for (long i = 0; i < total; ++i)
+                    panel_job(&c, i, m0, M - m0 < ROW_TILE ? M - m0 : ROW_TILE);
             }
         }
     }
@@ -521,35 +403,28 @@ int understudy_qgemm(int type, const float *x, const uint8_t *packed, const floa
 }
 
 /* Rows `index` [R] of W (its GGUF layout), dequantized to float32 out [R, K] (embedding
- * lookups, exports): gguf's own formulas. */
+ * lookups, exports): gguf's own formulas, in its order of float operations (the header of
+ * qgemm_blocks.h), so its bits. */
 int understudy_qdequant_rows(int type, const uint8_t *w, long row_bytes, const long *index,
                              long R, long K, float *out) {
     long bsize = block_size(type), bbytes = block_bytes(type);
     if (bbytes == 0 || K % bsize != 0) return -1;
+    const layout_t *L = layout_of(type);
     for (long r = 0; r < R; ++r) {
         const uint8_t *row = w + index[r] * row_bytes;
         float *o = out + r * K;
+        if (is_float(type)) {
+            for (long k = 0; k < K; ++k)
+                o[k] = type == T_F16 ? half_to_float(read_u16(row + 2 * k)) : bf16_to_float(read_u16(row + 2 * k));
+            continue;
+        }
         for (long b = 0; b < K / bsize; ++b) {
-            const uint8_t *blk = row + b * bbytes;
-            float *ob = o + b * bsize;
-            uint8_t q[256];
-            uint16_t d, dmin;
-            if (type == T_Q4_K) {
-                int sc[8], mn[8];
-                unpack_q4_k(blk, q, sc, mn, &d, &dmin);
-                float fd = half_to_float(d), fm = half_to_float(dmin);
-                for (int e = 0; e < 256; ++e)
-                    ob[e] = fd * (float)sc[e / 32] * (float)q[e] - fm * (float)mn[e / 32];
-            } else if (type == T_Q6_K) {
-                int8_t sc[16];
-                unpack_q6_k(blk, q, sc, &d);
-                float fd = half_to_float(d);
-                for (int e = 0; e < 256; ++e) ob[e] = fd * (float)sc[e / 16] * (float)(q[e] - 32);
-            } else {
-                int8_t w8[32];
-                unpack_32(type, blk, w8, &d);
-                float fd = half_to_float(d);
-                for (int e = 0; e < 32; ++e) ob[e] = fd * (float)w8[e];
+            block_t u;
+            unpack_gguf(type, row + b * bbytes, &u);
+            const float fd = half_to_float(u.d), fdm = half_to_float(u.dm);
+            for (int e = 0; e < L->values; ++e) {
+                const int j = e / L->width, v = L->table ? KVALUES[u.code[e]] : u.code[e] - L->offset;
+                o[b * bsize + e] = fd * (float)u.sc[j] * (float)v - fdm * (float)u.mn[j];
             }
         }
     }
@@ -592,18 +467,16 @@ static uint16_t float_to_half(float f) {
  * threads. Returns 0, or -1 for a type or K it does not take. */
 int understudy_requant_q4_0(int type, const uint8_t *w, long row_bytes, long K, long N,
                             uint8_t *out, int threads) {
-    if (block_size(type) != 32 || block_bytes(type) == 0 || type == T_Q4_0 || K % 32 != 0)
-        return -1;
-    const long nb = K / 32, bbytes = block_bytes(type);
+    if ((type != T_Q5_0 && type != T_Q8_0) || K % 32 != 0) return -1;
+    const long nb = K / 32, bbytes = block_bytes(type), offset = layout_of(type)->offset;
 #pragma omp parallel for schedule(static) num_threads(threads > 0 ? threads : 1)
     for (long n = 0; n < N; ++n)
         for (long b = 0; b < nb; ++b) {
-            int8_t w8[32];
-            uint16_t dh;
-            unpack_32(type, w + n * row_bytes + b * bbytes, w8, &dh);
-            const float fd = half_to_float(dh);
+            block_t u;
+            unpack_gguf(type, w + n * row_bytes + b * bbytes, &u);
+            const float fd = half_to_float(u.d);
             float x[32];
-            for (int i = 0; i < 32; ++i) x[i] = fd * (float)w8[i];
+            for (int i = 0; i < 32; ++i) x[i] = fd * (float)(u.code[i] - offset);
             float amax = fabsf(x[0]), max = x[0]; /* the first of the largest, as argmax */
             for (int i = 1; i < 32; ++i) {
                 if (fabsf(x[i]) > amax) {

@@ -8,8 +8,10 @@ row's output is bitwise the same whatever the number of rows in the call and how
 columns are split across threads: verification of K+1 rows agrees bitwise with plain
 decoding's 1-row passes, with no padding (as kernels/rowgemm.py does for float32).
 
-Kernel types: Q4_K, Q6_K (256 values a block), Q8_0, Q5_0 and Q4_0 (32). A tensor of another type
-is dequantized to float32 once, at load, and runs through rowgemm (also row-invariant).
+Kernel types (KERNEL_TYPES): the k-quants Q2_K to Q6_K and IQ4_XS (256 values a block); Q8_0,
+Q5_0, Q5_1, Q4_0, Q4_1 and IQ4_NL (32); F16 and BF16, multiplied in float32 in one fixed
+order (no activation quantization). A tensor of another type (F32, the IQ2/IQ3 families) is
+dequantized to float32 once, at load, and runs through rowgemm (also row-invariant).
 Each kernel tensor is repacked once, at load, into the kernel's panels of 16 columns (`pack`,
 about the file's bytes); the GGUF rows stay mapped for `weight_rows`, their pages released.
 
@@ -30,19 +32,18 @@ import torch
 from gguf import GGMLQuantizationType, dequantize
 from torch import nn
 
+from understudy.cache import cache_dir
 from understudy.kernels import rowgemm
 from understudy.kernels.build import NATIVE_FLAGS, compile_shared
-from understudy.models.fetch import cache_dir
 
 SOURCE = Path(__file__).with_name("qgemm.c")
 KERNEL_TYPES = frozenset(
-    {
-        GGMLQuantizationType.Q4_K,
-        GGMLQuantizationType.Q6_K,
-        GGMLQuantizationType.Q8_0,
-        GGMLQuantizationType.Q5_0,
-        GGMLQuantizationType.Q4_0,
-    }
+    GGMLQuantizationType[name]
+    for name in (
+        *("Q4_K", "Q5_K", "Q6_K", "Q2_K", "Q3_K", "IQ4_XS"),  # 256 values a block
+        *("Q8_0", "Q5_0", "Q5_1", "Q4_0", "Q4_1", "IQ4_NL"),  # 32
+        *("F16", "BF16"),  # 2-byte floats, multiplied in float32 (qgemm_float.h)
+    )
 )
 
 
@@ -90,18 +91,23 @@ def available() -> bool:
 @dataclass(frozen=True)
 class GGUFTensor:
     """A 2-D GGUF tensor [rows, cols] (ours: [out, in]) as the file holds it: `data` is
-    [rows, row_bytes] uint8 for block types, [rows, cols] float for F32/F16/BF16."""
+    [rows, row_bytes] uint8 for block types and BF16, [rows, cols] float for F32/F16."""
 
     kind: GGMLQuantizationType
     data: np.ndarray
     rows: int
     cols: int
 
+    @property
+    def row_bytes(self) -> int:
+        """Bytes from one row of `data` to the next (its rows are contiguous)."""
+        return self.data.shape[1] * self.data.itemsize
+
     def dequantized(self, index: np.ndarray | None = None) -> torch.Tensor:
         """The rows `index` (all by default) as float32 [n, cols] (gguf's reference code)."""
         data = self.data if index is None else self.data[index]
         out = dequantize(data, self.kind)  # [n, cols] float32 (float16 for F16)
-        return torch.from_numpy(np.ascontiguousarray(out, dtype=np.float32).reshape(-1, self.cols))
+        return torch.from_numpy(np.array(out, dtype=np.float32).reshape(-1, self.cols))  # a copy
 
     def take_rows(self, index: np.ndarray) -> GGUFTensor:
         """This tensor with its rows reordered (a copy): rows are independent blocks."""
@@ -117,7 +123,7 @@ def pack(lib: ctypes.CDLL, part: GGUFTensor) -> np.ndarray:
     offset = -buffer.ctypes.data % 64
     packed = buffer[offset : offset + size]
     code = lib.understudy_qpack(
-        int(part.kind), part.data.ctypes.data, part.data.shape[1], part.cols, part.rows,
+        int(part.kind), part.data.ctypes.data, part.row_bytes, part.cols, part.rows,
         packed.ctypes.data, torch.get_num_threads(),
     )  # fmt: skip
     assert code == 0, f"qgemm refused a {part.kind.name} tensor ({code}): rows cut short?"
@@ -204,7 +210,7 @@ class QuantLinear(nn.Module):
         idx = index.to(torch.long).contiguous()
         out = torch.empty(idx.shape[0], part.cols, dtype=torch.float32)  # [n, in]
         code = self._dequant(
-            int(part.kind), part.data.ctypes.data, part.data.shape[1], idx.data_ptr(),
+            int(part.kind), part.data.ctypes.data, part.row_bytes, idx.data_ptr(),
             idx.shape[0], part.cols, out.data_ptr(),
         )  # fmt: skip
         assert code == 0, code

@@ -1,14 +1,16 @@
-/* qgemm.c's AVX2 path (AVX2 + FMA + F16C, for CPUs without AVX-512 VNNI), included by qgemm.c.
+/* qgemm.c's AVX2 path (AVX2 + FMA + F16C, for CPUs without AVX-512 VNNI; in the AVX-512 build,
+ * for the types qgemm_avx512.h has no body for), included by qgemm.c.
  *
- * The same integers and the same float steps as the portable path (panel_row) and the AVX-512
- * one, so the same bits. A panel's 16 columns go as two halves of 8 (bytes 32h..32h+31 of
- * each 64-byte group are columns 8h..8h+7), one 256-bit register a half. Without VNNI,
- * vpmaddubsw makes pair sums in int16 (exact: no pair leaves int16, Q4_K 2 * 15 * 127, Q6_K
- * 2 * 63 * 127, Q5_0 2 * 31 * 127), several of which are added in int16 while they still fit
- * (sum16) before one vpmaddwd widens them, by the sub-block scale where there is one: half
- * the multiplies of widening each, so extra rows cost less. Q8_0's stored w + 128 would not
- * fit, so its w is recovered and multiplied as |w| against a with w's sign, 2 * 128 * 127,
- * which is the same integer as the portable path's sum of (w + 128) a less 128 sum a.
+ * The same integers and the same float steps as the portable path (panel_rows_portable) and
+ * the AVX-512 one, so the same bits, for every block type (qgemm_avx2_blocks.h). A panel's
+ * 16 columns go as two halves of 8 (bytes 32h..32h+31 of each 64-byte group are columns
+ * 8h..8h+7), one 256-bit register a half. Without VNNI, vpmaddubsw makes pair sums in int16
+ * (exact: no pair leaves int16, Q4_K 2 * 15 * 127, Q6_K 2 * 63 * 127, Q5_0 2 * 31 * 127),
+ * several of which are added in int16 while they still fit (sum16) before one vpmaddwd
+ * widens them, by the sub-block scale where there is one: half the multiplies of widening
+ * each, so extra rows cost less. Q8_0's stored w + 128 would not fit, nor would IQ4's table
+ * values + 128, so their signed w is multiplied as |w| against a with w's sign,
+ * 2 * 128 * 127 at most, the same integer as the portable path's sum of w a.
  */
 #include <immintrin.h>
 
@@ -31,7 +33,7 @@ AI2 int32_t hsum8(__m256i v) {
  * sums are of integers. A NaN product (0 times the infinite inverse of a subnormal maximum)
  * becomes 0, the byte the portable path's conversion leaves (saturating packs would make it
  * -128). 32 values a step (every block size is a multiple of 32). */
-static void quantize_row_avx2(const float *x, long K, int block, int8_t *q, float *scale,
+QG_UNUSED_IN_AVX512 static void quantize_row_avx2(const float *x, long K, int block, int8_t *q, float *scale,
                               int16_t *bsum) {
     const __m256 hi = _mm256_set1_ps(127.0f), lo = _mm256_set1_ps(-127.0f);
     const __m256 sign = _mm256_set1_ps(-0.0f);
@@ -126,6 +128,34 @@ AI2 __m256i q4_k_row(const __m256i *w, __m256i sc, const int8_t *a) {
     return s;
 }
 
+/* Q5_K's: two sum16(w, a, 4) by the scale, added */
+AI2 __m256i q5_k_row(const __m256i *w, __m256i sc, const int8_t *a) {
+    __m256i s, t, u;
+    __asm__("vpbroadcastd (%[a]), %[t]\n\tvpmaddubsw %[t], %[w0], %[s]\n\t"
+            BMA("4", "w1") "vpaddw %[t], %[s], %[s]\n\t" BMA("8", "w2") "vpaddw %[t], %[s], %[s]\n\t"
+            BMA("12", "w3") "vpaddw %[t], %[s], %[s]\n\tvpmaddwd %[sc], %[s], %[s]\n\t"
+            "vpbroadcastd 16(%[a]), %[t]\n\tvpmaddubsw %[t], %[w4], %[u]\n\t"
+            BMA("20", "w5") "vpaddw %[t], %[u], %[u]\n\t" BMA("24", "w6") "vpaddw %[t], %[u], %[u]\n\t"
+            BMA("28", "w7") "vpaddw %[t], %[u], %[u]\n\tvpmaddwd %[sc], %[u], %[u]\n\t"
+            "vpaddd %[u], %[s], %[s]"
+            : [s] "=&x"(s), [t] "=&x"(t), [u] "=&x"(u)
+            : [a] "r"(a), [w0] "x"(w[0]), [w1] "x"(w[1]), [w2] "x"(w[2]), [w3] "x"(w[3]),
+              [w4] "x"(w[4]), [w5] "x"(w[5]), [w6] "x"(w[6]), [w7] "x"(w[7]), [sc] "x"(sc), "m"(*(const char(*)[32])a));
+    return s;
+}
+
+/* Q3_K's and Q2_K's: sum16(w, a, 4) by the scale */
+AI2 __m256i k16_row(const __m256i *w, __m256i sc, const int8_t *a) {
+    __m256i s, t;
+    __asm__("vpbroadcastd (%[a]), %[t]\n\tvpmaddubsw %[t], %[w0], %[s]\n\t"
+            BMA("4", "w1") "vpaddw %[t], %[s], %[s]\n\t" BMA("8", "w2") "vpaddw %[t], %[s], %[s]\n\t"
+            BMA("12", "w3") "vpaddw %[t], %[s], %[s]\n\tvpmaddwd %[sc], %[s], %[s]"
+            : [s] "=&x"(s), [t] "=&x"(t)
+            : [a] "r"(a), [w0] "x"(w[0]), [w1] "x"(w[1]), [w2] "x"(w[2]), [w3] "x"(w[3]),
+              [sc] "x"(sc), "m"(*(const char(*)[16])a));
+    return s;
+}
+
 AI2 __m256i q6_k_row(const __m256i *w, __m256i sc, const int8_t *a) {
     __m256i s, t, u;
     __asm__("vpbroadcastd (%[a]), %[t]\n\tvpmaddubsw %[t], %[w0], %[s]\n\t"
@@ -145,156 +175,17 @@ AI2 __m256 halfs8(const uint8_t *p) {
     return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p));
 }
 
-/* Q4_K, half h of a panel's block b: f[r] (columns 8h..8h+7) += the block's float step */
-AI2 void q4_k_half(const uint8_t *pk, const uint8_t *next, long nb, long b, const acts_t *A,
-                   long m0, const int R, int h, __m256 *f) {
-    const __m256i low = _mm256_set1_epi8(0xf);
-    const uint8_t *blk = pk + b * 2368;
-    __m256i isum[GROUP2], jsum[GROUP2];
-    for (int r = 0; r < R; ++r) isum[r] = jsum[r] = _mm256_setzero_si256();
-    for (int j = 0; j < 8; ++j) {
-        fetch_next_part(next, 2368, h * nb + b, j, 8);
-        __m256i w[8];
-        for (int l = 0; l < 4; ++l) {
-            __m256i v = _mm256_loadu_si256((const __m256i *)(blk + 320 + 64 * (4 * j + l) + 32 * h));
-            w[2 * l] = _mm256_and_si256(v, low);
-            w[2 * l + 1] = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
-        }
-        __m256i sc = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(blk + 64 + 16 * j + 8 * h)));
-        sc = _mm256_or_si256(sc, _mm256_slli_epi32(sc, 16)); /* in both words of a dword */
-        for (int r = 0; r < R; ++r) {
-            const int8_t *a = A->q + (m0 + r) * A->K + 256 * b + 32 * j;
-            __m256i t = R > 2 ? q4_k_row(w, sc, a) : _mm256_madd_epi16(sum16(w, a, 8), sc);
-            isum[r] = _mm256_add_epi32(isum[r], t);
-        }
-    }
-    const __m256 d = halfs8(blk + 16 * h), dmin = halfs8(blk + 32 + 16 * h);
-    for (int p = 0; p < 4; ++p) {
-        __m256i mn = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)(blk + 192 + 32 * p + 16 * h)));
-        for (int r = 0; r < R; ++r) {
-            const int16_t *s32 = A->s32 + (m0 + r) * (A->K / 32) + 8 * b + 2 * p;
-            jsum[r] = _mm256_add_epi32(jsum[r], _mm256_madd_epi16(mn, four2(s32)));
-        }
-    }
-    for (int r = 0; r < R; ++r) {
-        __m256 s = _mm256_set1_ps(A->s[(m0 + r) * nb + b]);
-        f[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[r]), _mm256_mul_ps(s, d), f[r]);
-        f[r] = _mm256_fnmadd_ps(_mm256_cvtepi32_ps(jsum[r]), _mm256_mul_ps(s, dmin), f[r]);
-    }
-}
-
-/* Q6_K, half h of block b: as q4_k_half, 16 sub-blocks of 16 values, signed scales,
- * values q - 32 */
-AI2 void q6_k_half(const uint8_t *pk, const uint8_t *next, long nb, long b, const acts_t *A,
-                   long m0, const int R, int h, __m256 *f) {
-    const __m256i low = _mm256_set1_epi8(0xf), top = _mm256_set1_epi8(0x30);
-    const uint8_t *blk = pk + b * 3360;
-    __m256i isum[GROUP2], jsum[GROUP2];
-    for (int r = 0; r < R; ++r) isum[r] = jsum[r] = _mm256_setzero_si256();
-    for (int p = 0; p < 8; ++p) {
-        fetch_next_part(next, 3360, h * nb + b, p, 8);
-        /* dword c: the scales of sub-blocks 2p (low word) and 2p + 1 (high word) */
-        __m256i pair = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(blk + 32 + 32 * p + 16 * h)));
-        for (int k = 0; k < 2; ++k) {
-            const int j = 2 * p + k;
-            /* sub-block j's scale in both words of each dword */
-            __m256i sc = k ? _mm256_shufflehi_epi16(_mm256_shufflelo_epi16(pair, 0xf5), 0xf5)
-                           : _mm256_shufflehi_epi16(_mm256_shufflelo_epi16(pair, 0xa0), 0xa0);
-            __m256i v0 = _mm256_loadu_si256((const __m256i *)(blk + 288 + 128 * j + 32 * h));
-            __m256i v1 = _mm256_loadu_si256((const __m256i *)(blk + 288 + 128 * j + 64 + 32 * h));
-            __m256i hb = _mm256_loadu_si256((const __m256i *)(blk + 2336 + 64 * j + 32 * h));
-            __m256i w[4] = {
-                _mm256_or_si256(_mm256_and_si256(v0, low), _mm256_and_si256(_mm256_slli_epi16(hb, 4), top)),
-                _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(v0, 4), low),
-                                _mm256_and_si256(_mm256_slli_epi16(hb, 2), top)),
-                _mm256_or_si256(_mm256_and_si256(v1, low), _mm256_and_si256(hb, top)),
-                _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(v1, 4), low),
-                                _mm256_and_si256(_mm256_srli_epi16(hb, 2), top))};
-            for (int r = 0; r < R; ++r) {
-                const int8_t *a = A->q + (m0 + r) * A->K + 256 * b + 16 * j;
-                __m256i t = R > 2 ? q6_k_row(w, sc, a)
-                                  : _mm256_add_epi32(_mm256_madd_epi16(sum16(w, a, 2), sc),
-                                                     _mm256_madd_epi16(sum16(w + 2, a + 8, 2), sc));
-                isum[r] = _mm256_add_epi32(isum[r], t);
-            }
-        }
-        for (int r = 0; r < R; ++r) {
-            const int16_t *s16 = A->s16 + (m0 + r) * (A->K / 16) + 16 * b + 2 * p;
-            jsum[r] = _mm256_add_epi32(jsum[r], _mm256_madd_epi16(pair, four2(s16)));
-        }
-    }
-    const __m256 d = halfs8(blk + 16 * h);
-    for (int r = 0; r < R; ++r) {
-        __m256 s = _mm256_set1_ps(A->s[(m0 + r) * nb + b]);
-        __m256i t = _mm256_sub_epi32(isum[r], _mm256_slli_epi32(jsum[r], 5));
-        f[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(t), _mm256_mul_ps(s, d), f[r]);
-    }
-}
-
-/* Q8_0, Q5_0 and Q4_0, half h: 32-value blocks. Q8_0: sum of w a directly (|w| and a's
- * sign: see the header); Q5_0: sum of q a less 16 sum a, q 0..31; Q4_0: less 8 sum a, q
- * 0..15 */
-AI2 void b32_half(const int type, const uint8_t *pk, const uint8_t *next, long nb, long b,
-                  const acts_t *A, long m0, const int R, int h, __m256 *f) {
-    const __m256i low = _mm256_set1_epi8(0xf), flip = _mm256_set1_epi8((char)0x80);
-    const int q8 = type == T_Q8_0;
-    const long pb = panel_bytes(type);
-    const uint8_t *blk = pk + b * pb;
-    fetch_next(next, pb, h * nb + b);
-    __m256i w[8];
-    if (q8) {
-        for (int g = 0; g < 8; ++g)
-            w[g] = _mm256_xor_si256(_mm256_loadu_si256((const __m256i *)(blk + 32 + 64 * g + 32 * h)), flip);
-    } else if (type == T_Q4_0) {
-        for (int t = 0; t < 4; ++t) {
-            __m256i v = _mm256_loadu_si256((const __m256i *)(blk + 32 + 64 * t + 32 * h));
-            w[2 * t] = _mm256_and_si256(v, low);
-            w[2 * t + 1] = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
-        }
-    } else {
-        /* byte 4c + i of hb: at bit 2t + s the fifth bit of value 8t + 4s + i of column
-         * 8h + c. A 16-bit shift by 4 - k (left) or k - 4 (right) brings bit k of every byte
-         * to its bit 4; no bit that lands there comes from the other byte of the word. */
-        const __m256i hb = _mm256_loadu_si256((const __m256i *)(blk + 288 + 32 * h));
-        const __m256i fifth = _mm256_set1_epi8(0x10);
-#define FIFTH_BITS(k) \
-    _mm256_and_si256((k) < 4 ? _mm256_slli_epi16(hb, 4 - (k)) : _mm256_srli_epi16(hb, (k) - 4), fifth)
-        for (int t = 0; t < 4; ++t) {
-            __m256i v = _mm256_loadu_si256((const __m256i *)(blk + 32 + 64 * t + 32 * h));
-            w[2 * t] = _mm256_or_si256(_mm256_and_si256(v, low), FIFTH_BITS(2 * t));
-            w[2 * t + 1] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(v, 4), low), FIFTH_BITS(2 * t + 1));
-        }
-#undef FIFTH_BITS
-    }
-    const __m256 d = halfs8(blk + 16 * h);
-    for (int r = 0; r < R; ++r) {
-        const int8_t *a = A->q + (m0 + r) * A->K + 32 * b;
-        __m256i t;
-        if (q8) { /* w signed: |w| (-128 -> 128, unsigned) against a with w's sign */
-            t = _mm256_setzero_si256();
-            for (int g = 0; g < 8; ++g)
-                t = _mm256_add_epi32(t, dot4_avx2(_mm256_abs_epi8(w[g]), _mm256_sign_epi8(four2(a + 4 * g), w[g])));
-        } else {
-            const int32_t offset = (type == T_Q5_0 ? 16 : 8) * (int32_t)A->s32[(m0 + r) * (A->K / 32) + b];
-            const __m256i ones = _mm256_set1_epi16(1);
-            t = _mm256_add_epi32(_mm256_madd_epi16(sum16(w, a, 4), ones),
-                                 _mm256_madd_epi16(sum16(w + 4, a + 16, 4), ones));
-            t = _mm256_sub_epi32(t, _mm256_set1_epi32(offset));
-        }
-        __m256 s = _mm256_set1_ps(A->s[(m0 + r) * nb + b]);
-        f[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(t), _mm256_mul_ps(s, d), f[r]);
-    }
-}
+#include "qgemm_avx2_blocks.h"
 
 /* Block after block, both halves of each: a block is read from memory once and its second
  * half from the first level of cache (half after half over the whole panel read a panel
  * longer than that cache twice: 19% slower at K = 4864, one row, 2 threads) */
 AI2 void block_half(int type, const uint8_t *pk, const uint8_t *next, const acts_t *A, long b,
                     long m0, const int R, int h, __m256 *f) {
-    if (type == T_Q4_K)
-        q4_k_half(pk, next, A->nb, b, A, m0, R, h, f);
-    else if (type == T_Q6_K)
-        q6_k_half(pk, next, A->nb, b, A, m0, R, h, f);
+    if (type == T_Q4_K || type == T_Q5_K || type == T_IQ4_XS)
+        k32_half(type, pk, next, A->nb, b, A, m0, R, h, f);
+    else if (type == T_Q6_K || type == T_Q3_K || type == T_Q2_K)
+        k16_half(type, pk, next, A->nb, b, A, m0, R, h, f);
     else
         b32_half(type, pk, next, A->nb, b, A, m0, R, h, f);
 }
@@ -356,14 +247,27 @@ AI2 void panel_rows_typed(const int type, const uint8_t *pk, const uint8_t *next
     }
 }
 
+/* each type's loops a function of its own: inlined all into one, the compiler's budget for
+ * the whole left the four- and eight-row groups of Q4_K and Q6_K some 10% slower */
+#define TYPED_ROWS(T)                                                                          \
+    static __attribute__((noinline)) void rows_##T(const uint8_t *pk, const uint8_t *next,      \
+                                                   const acts_t *A, long m0, long rows,          \
+                                                   const float *bias, float *y, long ldy, long cols) { \
+        panel_rows_typed(T_##T, pk, next, A, m0, rows, bias, y, ldy, cols);                     \
+    }
+TYPED_ROWS(Q4_K) TYPED_ROWS(Q5_K) TYPED_ROWS(Q6_K) TYPED_ROWS(Q3_K) TYPED_ROWS(Q2_K)
+TYPED_ROWS(IQ4_XS) TYPED_ROWS(Q8_0) TYPED_ROWS(Q5_0) TYPED_ROWS(Q5_1) TYPED_ROWS(Q4_0)
+TYPED_ROWS(Q4_1) TYPED_ROWS(IQ4_NL)
+#undef TYPED_ROWS
+
 static void panel_rows_avx2(int type, const uint8_t *pk, const uint8_t *next, const acts_t *A,
                             long m0, long rows, const float *bias, float *y, long ldy, long cols) {
+#define CASE(T) \
+    case T_##T: rows_##T(pk, next, A, m0, rows, bias, y, ldy, cols); break;
     switch (type) {
-    case T_Q4_K: panel_rows_typed(T_Q4_K, pk, next, A, m0, rows, bias, y, ldy, cols); break;
-    case T_Q6_K: panel_rows_typed(T_Q6_K, pk, next, A, m0, rows, bias, y, ldy, cols); break;
-    case T_Q8_0: panel_rows_typed(T_Q8_0, pk, next, A, m0, rows, bias, y, ldy, cols); break;
-    case T_Q5_0: panel_rows_typed(T_Q5_0, pk, next, A, m0, rows, bias, y, ldy, cols); break;
-    case T_Q4_0: panel_rows_typed(T_Q4_0, pk, next, A, m0, rows, bias, y, ldy, cols); break;
+        CASE(Q4_K) CASE(Q5_K) CASE(Q6_K) CASE(Q3_K) CASE(Q2_K) CASE(IQ4_XS)
+        CASE(Q8_0) CASE(Q5_0) CASE(Q5_1) CASE(Q4_0) CASE(Q4_1) CASE(IQ4_NL)
     default: break;
     }
+#undef CASE
 }

@@ -23,8 +23,8 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from understudy.cache import cache_dir
 from understudy.kernels.build import open_library
-from understudy.models.fetch import cache_dir
 
 SOURCE = Path(__file__).with_name("rowgemm.c")
 LANES = 16  # output columns per packed block (rowgemm.c)

@@ -3,15 +3,16 @@
    For every query row r and head h (kv head g = h / (heads / kv_heads)):
 
        s_j = (q[r,h] . k[b(r), g, j]) * scale            for j in lo[r] .. hi[r]-1
+       s_j = softcap * tanh(s_j / softcap)               when softcap > 0 (Gemma 2)
        out[r,h] = sum_j softmax(s)_j * v[b(r), g, j]
 
-   Invariant: out[r,h] depends only on q[r,h], the keys and values lo[r]..hi[r]-1 and scale;
-   not on the other rows of the call, on their number, or on how (r,h) pairs are split over
-   threads. Each pair is computed by one thread, start to end, by the same steps whatever the
-   call (the query heads of one kv head go together, a block of keys at a time, each head's
-   steps in its own order): dot products in 16 lanes over the feature dimension summed in
-   one fixed tree, exp by one polynomial written in plain arithmetic (no libm call whose vector and scalar forms may
-   differ), sums in 16 lanes over the keys. Compiled with -ffp-contract=off, so a vectorised
+   Invariant: out[r,h] depends only on q[r,h], the keys and values lo[r]..hi[r]-1, scale and
+   softcap; not on the other rows of the call, on their number, or on how (r,h) pairs are
+   split over threads. Each pair is computed by one thread, start to end, by the same steps
+   whatever the call (the query heads of one kv head go together, a block of keys at a time,
+   each head's steps in its own order): dot products in 16 lanes over the feature dimension
+   summed in one fixed tree, exp and tanh by polynomials written in plain arithmetic (no libm
+   call whose vector and scalar forms may differ), sums in 16 lanes over the keys. Compiled with -ffp-contract=off, so a vectorised
    and a scalar evaluation of the same expression give the same bits. So a token's attention
    is bitwise the same in a one-row decode pass, in a verification pass of many rows and in
    a batch of several sequences, as models/attention.py requires.
@@ -151,11 +152,14 @@ static void weighted_sum(const float *restrict p, const float *restrict v, long 
    of 4, so scores_of's groups of 4 keys stay the same. */
 #define KEY_BLOCK 32
 
-/* scores[0..n-1] -> softmax(scores * scale), in place */
-static void softmax_scaled(float *restrict scores, long n, float scale) {
+/* scores[0..n-1] -> softmax(scores * scale), each scaled score first capped to
+   softcap * tanh(s / softcap) when softcap > 0; in place */
+static void softmax_scaled(float *restrict scores, long n, float scale, float softcap) {
     float top[LANES], part[LANES];
     for (int l = 0; l < LANES; l++) top[l] = -INFINITY, part[l] = 0.0f;
     for (long j = 0; j < n; j++) scores[j] *= scale;
+    if (softcap > 0.0f)
+        for (long j = 0; j < n; j++) scores[j] = tanh_poly(scores[j] / softcap) * softcap;
     for (long j = 0; j < n; j++)  /* a max is exact in any order */
         top[j % LANES] = scores[j] > top[j % LANES] ? scores[j] : top[j % LANES];
     for (int l = 1; l < LANES; l++) top[0] = top[l] > top[0] ? top[l] : top[0];
@@ -175,15 +179,15 @@ static void softmax_scaled(float *restrict scores, long n, float scale) {
    floats; out + i * dim: head i's output. */
 static void attend_heads(const float *restrict q, long q_head_stride, long heads,
                          const float *restrict k, const float *restrict v, long key_stride,
-                         long n, long dim, float scale, float *restrict scores,
-                         float *restrict out) {
+                         long n, long dim, float scale, float softcap,
+                         float *restrict scores, float *restrict out) {
     for (long j0 = 0; j0 < n; j0 += KEY_BLOCK) {
         long j1 = j0 + KEY_BLOCK < n ? j0 + KEY_BLOCK : n;
         for (long i = 0; i < heads; i++)
             scores_of(q + i * q_head_stride, k + j0 * key_stride, key_stride, j1 - j0, dim,
                       scores + i * n + j0);
     }
-    for (long i = 0; i < heads; i++) softmax_scaled(scores + i * n, n, scale);
+    for (long i = 0; i < heads; i++) softmax_scaled(scores + i * n, n, scale, softcap);
     for (long j0 = 0; j0 < n; j0 += KEY_BLOCK) {  /* n >= 1: one_run refuses an empty run */
         long j1 = j0 + KEY_BLOCK < n ? j0 + KEY_BLOCK : n;
         for (long i = 0; i < heads; i++)
@@ -194,14 +198,15 @@ static void attend_heads(const float *restrict q, long q_head_stride, long heads
 /* Row r's keys from its mask row (bool bytes): the run lo..hi-1 of ones. 0 when the row's
    ones are one nonempty run, else 1 (a tree's ancestors without gathering, or nothing). */
 static int one_run(const unsigned char *row, long length, long *lo, long *hi) {
-    long a = 0;
-    while (a < length && !row[a]) a++;
-    long b = a;
+    /* memchr skips the zeros many bytes a step: a batched pass's rows are masked over
+       every seat's slots, most of them another sequence's */
+    const unsigned char *first = memchr(row, 1, (size_t)length);
+    if (first == NULL) return 1;
+    long a = first - row, b = a;
     while (b < length && row[b]) b++;
-    for (long j = b; j < length; j++)
-        if (row[j]) return 1;
+    if (b < length && memchr(row + b, 1, (size_t)(length - b)) != NULL) return 1;
     *lo = a, *hi = b;
-    return b > a ? 0 : 1;
+    return 0;
 }
 
 int understudy_span_attention(
@@ -210,7 +215,7 @@ int understudy_span_attention(
     long kv_head_stride, long key_stride, int per_row,         /* k[b,g,j,:] */
     const unsigned char *mask, long mask_row_stride, long length,  /* mask[r, j] */
     long rows, long heads, long kv_heads, long dim,
-    float scale, float *out, int threads)                      /* out [rows, heads, dim] */
+    float scale, float softcap, float *out, int threads)       /* out [rows, heads, dim] */
 {
     if (rows < 0 || heads <= 0 || kv_heads <= 0 || heads % kv_heads) return 1;
     if (dim <= 0 || dim % LANES) return 1;
@@ -248,7 +253,7 @@ int understudy_span_attention(
             const float *kb = k + b * kv_row_stride + g * kv_head_stride + lo[r] * key_stride;
             const float *vb = v + b * kv_row_stride + g * kv_head_stride + lo[r] * key_stride;
             attend_heads(q + r * q_row_stride + h * q_head_stride, q_head_stride, n_heads, kb,
-                         vb, key_stride, hi[r] - lo[r], dim, scale, scores,
+                         vb, key_stride, hi[r] - lo[r], dim, scale, softcap, scores,
                          out + (r * heads + h) * dim);
         }
         free(scores);

@@ -18,8 +18,8 @@ from pathlib import Path
 
 import torch
 
+from understudy.cache import cache_dir
 from understudy.kernels.build import VECTOR_FLAGS, open_library
-from understudy.models.fetch import cache_dir
 
 SOURCE = Path(__file__).with_name("span_attention.c")
 
@@ -35,7 +35,7 @@ def load(flags: tuple[str, ...] = VECTOR_FLAGS) -> ctypes.CDLL | None:
     lib.understudy_span_attention.argtypes = (
         [ptr, long, long, ptr, ptr, long, long, long, ctypes.c_int, ptr, long, long]
         + [long] * 4
-        + [ctypes.c_float, ptr, ctypes.c_int]
+        + [ctypes.c_float, ctypes.c_float, ptr, ctypes.c_int]
     )
     lib.understudy_span_attention.restype = ctypes.c_int
     return lib
@@ -47,6 +47,16 @@ def available() -> bool:
 
 
 NOT_ONE_RUN = 4  # the kernel's answer when a row's visible keys are not one run
+LANES = 16  # the kernel sums a head's features 16 at a time: a head size is a multiple of it
+
+
+def refusal(heads: int, kv_heads: int, dim: int) -> str | None:
+    """Why the kernel cannot take heads of this shape, in a few words (None: it can)."""
+    if dim % LANES:
+        return f"head size {dim} is not a multiple of span_attention's {LANES} lanes"
+    if heads % kv_heads:
+        return f"{heads} query heads do not split evenly over {kv_heads} kv heads"
+    return None
 
 
 def span_attention(
@@ -56,9 +66,11 @@ def span_attention(
     mask: torch.Tensor,  # [R, L] bool: row r sees key j
     scale: float,
     lib: ctypes.CDLL | None = None,  # default: load()
+    softcap: float | None = None,  # scores capped to softcap * tanh(s / softcap) (Gemma 2)
 ) -> torch.Tensor | None:
     """softmax(q k^T * scale) v for each row over the keys its mask row shows -> [R, H, D]
-    float32; None, having computed nothing, when some row's visible keys are not one run."""
+    float32; None, having computed nothing, when some row's visible keys are not one run.
+    Heads of a shape `refusal` names are the caller's to keep away."""
     lib = lib or load()
     assert lib is not None, "span_attention could not be built"
     heads, rows, dim = q.shape
@@ -73,7 +85,8 @@ def span_attention(
         q.data_ptr(), q.stride(1), q.stride(0),
         keys.data_ptr(), values.data_ptr(), keys.stride(0), keys.stride(1), keys.stride(2),
         int(batch > 1), mask.data_ptr(), mask.stride(0), length,
-        rows, heads, kv_heads, dim, scale, out.data_ptr(), torch.get_num_threads(),
+        rows, heads, kv_heads, dim, scale, softcap or 0.0, out.data_ptr(),
+        torch.get_num_threads(),
     )  # fmt: skip
     if code == NOT_ONE_RUN:
         return None

@@ -20,9 +20,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from understudy.kernels.span_attention import refusal as span_refusal
 from understudy.kernels.span_attention import span_attention
 from understudy.models.key_groups import KeyGroup
 from understudy.models.norms import make_norm
+from understudy.models.refusals import log_refusal
 from understudy.models.split_attention import SplitKeys, split_attention
 
 # (q [B, H, R, D], keys [B, Hkv, L, D], values, mask bool [.., R, L], gqa) -> [B, H, R, D]
@@ -139,8 +141,23 @@ class Attention(nn.Module):
         # a window's, a tree node's gathered path) in kernels/span_attention, one call for all
         # of them: row-invariant by construction; in a pass of the 1.5B target it cut attention
         # from 6.7 to 2.5 ms at 1 row and from 39.5 to 18.4 ms at 16 (one thread).
-        # 0 = off (float32 on a CPU only; the engine builder turns it on).
+        # 0 = off (float32 on a CPU only; the engine builder turns it on). Heads the kernel
+        # cannot take (span_refusal says why) keep it off.
+        self.span_refusal = span_refusal(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim)
         self.span_rows = 0
+
+    @property
+    def span_rows(self) -> int:
+        return self._span_rows
+
+    @span_rows.setter
+    def span_rows(self, rows: int) -> None:
+        """Turn the kernel on for passes of up to `rows` rows (0: off); where it cannot take
+        these heads it stays off, the reason logged once (the torch path is exact too)."""
+        if rows and self.span_refusal is not None:
+            log_refusal(f"span_attention: {self.span_refusal}")
+            rows = 0
+        self._span_rows = rows
 
     def forward(
         self,
@@ -236,9 +253,9 @@ class Attention(nn.Module):
             assert rows <= self.rows_apart_upto, "key_slots needs per-row attention"
             keys = k_cache[:, key_slots].transpose(0, 1)  # [R, Hkv, L, D]
             values = v_cache[:, key_slots].transpose(0, 1)  # [R, Hkv, L, D]
-        kernel = rows <= self.span_rows and self.softcap is None
+        kernel = rows <= self.span_rows
         if kernel:  # every row over its one run of keys, in one call (None: not all are)
-            scored = span_attention(q, keys, values, mask, self.row_scale)
+            scored = span_attention(q, keys, values, mask, self.row_scale, softcap=self.softcap)
             if scored is not None:
                 return scored  # [R, H, D]
         if rows > self.rows_apart_upto:
@@ -254,7 +271,9 @@ class Attention(nn.Module):
             if span is None:
                 o = self.attend(q_r, k_r, v_r, mask[r : r + 1], gqa)
             elif kernel:  # the kernel's bits, as in a pass of such rows only
-                o = span_attention(q_r[0], k_r, v_r, mask[r : r + 1], self.row_scale)
+                o = span_attention(
+                    q_r[0], k_r, v_r, mask[r : r + 1], self.row_scale, softcap=self.softcap
+                )
                 assert o is not None  # its keys are one run
                 o = o[:, :, None]
             elif self.softcap is None:  # exactly the keys it sees, whatever the window

@@ -120,6 +120,8 @@ def default_feature_layers(num_layers: int) -> tuple[int, ...]:
 class EagleHead(nn.Module):
     """See the module docstring. `embed` is the target's token embedding (shared, frozen)."""
 
+    vocab: torch.Tensor  # a buffer, registered in __init__
+
     def __init__(self, cfg: HeadConfig, embed: nn.Embedding) -> None:
         super().__init__()
         self.cfg = cfg

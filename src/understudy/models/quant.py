@@ -279,7 +279,7 @@ def model_fingerprint(model: nn.Module) -> str:
 
 
 def default_cache_dir(model: nn.Module) -> Path:
-    from understudy.models.fetch import cache_dir
+    from understudy.cache import cache_dir
 
     return cache_dir() / "quantized" / model_fingerprint(model)
 

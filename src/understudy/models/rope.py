@@ -31,7 +31,10 @@ from typing import Any
 
 import torch
 
-ROPE_KINDS = ("linear", "dynamic", "yarn", "llama3", "longrope")
+ROPE_KINDS = ("linear", "dynamic", "yarn", "llama3", "longrope")  # transformers' rope_type
+# a GGUF file's own: llama.cpp divides each frequency by the file's rope_freqs (Llama 3.1+
+# files carry their llama3 scaling so, and no rope_type transformers' reader would map)
+FILE_KINDS = ("divisors",)
 
 
 class UnsupportedRope(ValueError):
@@ -55,11 +58,12 @@ class RopeScaling:
     attention_factor: float | None = None  # cos/sin multiplier; None = the scheme's own
     short_factor: tuple[float, ...] | None = None  # longrope, one per frequency
     long_factor: tuple[float, ...] | None = None
+    divisors: tuple[float, ...] | None = None  # divisors: one per frequency
 
     def __post_init__(self) -> None:
-        if self.kind not in ROPE_KINDS:
+        if self.kind not in ROPE_KINDS + FILE_KINDS:
             raise UnsupportedRope(f"rope scaling {self.kind!r} is not supported")
-        for name in ("short_factor", "long_factor"):  # lists after a JSON round trip
+        for name in ("short_factor", "long_factor", "divisors"):  # lists after a JSON round trip
             value = getattr(self, name)
             if value is not None:
                 object.__setattr__(self, name, tuple(float(v) for v in value))
@@ -154,6 +158,9 @@ def rope_frequencies(
         return 1.0 / _base_freqs(theta, dim) / scaling.factor, 1.0
     if scaling.kind == "llama3":
         return _llama3(theta, dim, scaling), 1.0
+    if scaling.kind == "divisors":
+        assert scaling.divisors is not None and len(scaling.divisors) == dim // 2
+        return 1.0 / _base_freqs(theta, dim) / torch.tensor(scaling.divisors), 1.0
     if scaling.kind == "yarn":
         return _yarn(theta, dim, scaling, max_positions)
     return _longrope(theta, dim, scaling, max_positions)

@@ -87,7 +87,7 @@ class Runner:
         assert 0 <= length <= self.length, (length, self.length)
         self.length = length
 
-    def chain_rows(self, n: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def place_chain(self, n: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Where the next n tokens go, as an unpadded pass scores them: positions [n], slots
         [n] and mask [n, L] over this runner's region (L fixed by the request's window)."""
         start, device = self.length, self.model.device
@@ -95,6 +95,29 @@ class Runner:
         keys = max(self.window or 0, start + n)
         mask = torch.arange(keys, device=device)[None, :] <= positions[:, None]  # [n, L]
         return positions, self.first_slot + positions, mask
+
+    def place_tree(
+        self,
+        depths: torch.Tensor,  # [n] the nodes' depths (root = 0)
+        offsets: torch.Tensor,  # [n] their slots relative to the root's
+        visible: torch.Tensor,  # [n, span] bool: the slots base + j each node sees
+        base: int,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Where an unpadded tree pass puts its nodes and which keys each sees, in chain
+        order: positions [n], slots [n], mask [n, L] and key_slots [n, L] (absolute slots:
+        the prefix, then the node's path root..node, then filler it cannot see). Ancestors
+        precede descendants in node order, so the visible slots in increasing order are the
+        path; with row-invariant kernels every node's logits are then bitwise those of plain
+        decoding along its path."""
+        device, n = self.model.device, depths.shape[0]
+        keys = max(self.window or 0, base + visible.shape[1])
+        key_slots = torch.zeros(n, keys, dtype=torch.long, device=device)  # [n, L]
+        key_slots[:, :base] = torch.arange(base, device=device)
+        path_slots(key_slots, visible, base)
+        depths = depths.to(device)
+        mask = torch.arange(keys, device=device)[None, :] <= (base + depths)[:, None]  # [n, L]
+        slots = self.first_slot + base + offsets.to(device)
+        return base + depths, slots, mask, key_slots + self.first_slot
 
     def _pass(
         self, tokens: torch.Tensor, rows: int, logit_rows: slice, decode: bool = False
@@ -182,7 +205,7 @@ class Runner:
         mask[:n, base : base + span] = visible.to(device)
         mask[torch.arange(n, rows, device=device), filler] = True
         if not self.pad:  # row-invariant kernels: each node sees its path where a chain would
-            return self._tree_pass_as_chains(tokens, depths, offsets, visible, base, keys)
+            return self._tree_pass_as_chains(tokens, depths, offsets, visible, base)
         if self.rows is None:  # a drafter's pass: the mask alone
             return self._score(n, padded, positions, slots, mask)[:n]
         assert int(depths.max()) < rows, "a tree deeper than the pass cannot be split"
@@ -197,20 +220,10 @@ class Runner:
         offsets: torch.Tensor,  # [n]
         visible: torch.Tensor,  # [n, span]
         base: int,
-        keys: int,
     ) -> torch.Tensor:
-        """The tree pass with each node's keys gathered in chain order: the prefix, then its
-        path root..node (ancestors precede descendants in node order, so the visible slots
-        in increasing order are the path), then filler it cannot see. With row-invariant
-        kernels every node's logits are then bitwise those of plain decoding along its path."""
-        device, n = self.model.device, tokens.shape[0]
-        key_slots = torch.zeros(n, keys, dtype=torch.long, device=device)  # [n, keys]
-        key_slots[:, :base] = torch.arange(base, device=device)
-        path_slots(key_slots, visible, base)
-        key_slots += self.first_slot  # chain positions -> this runner's slots
-        depths = depths.to(device)
-        mask = torch.arange(keys, device=device)[None, :] <= (base + depths)[:, None]  # [n, keys]
-        slots, positions = self.first_slot + base + offsets.to(device), base + depths
+        """The tree pass with each node's keys gathered in chain order (place_tree)."""
+        positions, slots, mask, key_slots = self.place_tree(depths, offsets, visible, base)
+        n, device = tokens.shape[0], self.model.device
         return self._score(n, tokens.to(device), positions, slots, mask, None, key_slots)
 
     @torch.inference_mode()

@@ -36,20 +36,47 @@ mixture, soft caps); the forward pass has no branch on the architecture's name.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
 from torch import nn
 
 from understudy.models.attention import Attention, region_view, rotate_half
-from understudy.models.key_groups import KeyGroup, groups_within_window
+from understudy.models.key_groups import KeyGroup, groups_within_window, slot_mask
 from understudy.models.moe import MLP, SparseMoE
 from understudy.models.norms import RMSNorm, make_norm
 from understudy.models.rope import RopeScaling, Rotary, exact_positions
 from understudy.models.split_attention import SplitKeys, within_window
 
-if TYPE_CHECKING:
-    from understudy.kernels.fused_layer import FusedLayer, FusedStack
+
+class FusedLayerHook(Protocol):
+    """A layer's work around its attention in C calls (models/fused.py installs one): the
+    same values, row by row, as the Block's modules give."""
+
+    def attention_input(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, slots: torch.Tensor,
+        k_cache: torch.Tensor, v_cache: torch.Tensor,
+    ) -> torch.Tensor:  # fmt: skip
+        """The rows' queries [H, R, D]; the rows' keys and values written at `slots`."""
+        ...
+
+    def output(self, x: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
+        """x [R, hidden] after the attention output attn [R, H, D] and the MLP."""
+        ...
+
+
+class FusedStackHook(Protocol):
+    """Every layer of a model in one call a pass (models/fused.py installs one)."""
+
+    def run(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, slots: torch.Tensor,
+        k_caches: list[torch.Tensor], v_caches: list[torch.Tensor], mask: torch.Tensor,
+        layers: slice = slice(None),
+    ) -> bool:  # fmt: skip
+        """x after every layer (or the run `layers`), in place; False (x unchanged) where it
+        cannot take the pass."""
+        ...
+
 
 __all__ = ["Block", "RMSNorm", "Transformer", "TransformerConfig", "region_view", "rotate_half"]
 
@@ -145,9 +172,9 @@ class Block(nn.Module):
             self.post_mlp_norm = make_norm(hidden, eps, offset)
         self.sliding = cfg.sliding(index)  # sees the last sliding_window positions only
         self.rope = 1 if self.sliding and cfg.local_rope_theta is not None else 0  # which rope
-        # the layer's work around attention in two C calls (kernels/fused_layer.py), set by
-        # the engine builder for a model on GGUF blocks; None = the modules above
-        self.fused: FusedLayer | None = None
+        # the layer's work around attention in two C calls (models/fused.py), set by the
+        # engine builder for a model on GGUF blocks; None = the modules above
+        self.fused: FusedLayerHook | None = None
 
 
 class Transformer(nn.Module):
@@ -159,7 +186,7 @@ class Transformer(nn.Module):
         self.embed = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(Block(cfg, i) for i in range(cfg.num_layers))
         self.norm = make_norm(cfg.hidden_size, cfg.rms_norm_eps, cfg.norm_unit_offset)
-        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.lm_head: nn.Module = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.k_cache: list[torch.Tensor] = []
         self.v_cache: list[torch.Tensor] = []
         dim, positions = cfg.rotary_dim or cfg.head_dim, cfg.max_position_embeddings
@@ -168,9 +195,9 @@ class Transformer(nn.Module):
         if cfg.local_rope_theta is not None:
             self.rotaries.append(Rotary(cfg.local_rope_theta, dim, None, positions))
         self.windowed = any(layer.sliding for layer in self.layers)
-        # every layer in one C call a pass where all are fused (kernels/fused_layer.py), set
+        # every layer in one C call a pass where all are fused (models/fused.py), set
         # by the engine builder; hidden_states takes it for the passes it computes
-        self.fused_stack: FusedStack | None = None
+        self.fused_stack: FusedStackHook | None = None
         # the layers whose outputs (the residual stream after them) a pass hands out when
         # asked (hidden_states' `features`): EAGLE-3's low, middle and high features for
         # method="eagle" (models/eagle_head.py), set by the drafter that reads them; ()=none
@@ -253,18 +280,12 @@ class Transformer(nn.Module):
                     None if groups is None else groups_within_window(groups, positions, window),
                 )
             )
-        stack_takes_it = (
-            self.fused_stack is not None
-            and key_slots is None
-            and split is None
-            and regions is None
-            and groups is None
-            and tokens.shape[0] <= self.layers[0].attn.span_rows
-        )
-        if stack_takes_it:  # all rows over their one run of keys, by span_attention
+        stack_mask = self.stack_mask(tokens.shape[0], mask, key_slots, split, regions, groups)
+        if stack_mask is not None:  # all rows over their one run of keys, by span_attention
+            assert self.fused_stack is not None
             x = x.contiguous()
             cos, sin = ropes[0]
-            if self._stacked(x, cos, sin, slots, mask, features):
+            if self._stacked(x, cos, sin, slots, stack_mask, features):
                 return self.norm(x)
         layers = zip(self.layers, self.k_cache, self.v_cache, strict=True)
         for index, (layer, k_cache, v_cache) in enumerate(layers):
@@ -313,11 +334,37 @@ class Transformer(nn.Module):
             start = end
         return True
 
+    def stack_mask(
+        self,
+        rows: int,
+        mask: torch.Tensor,  # [R, L]
+        key_slots: torch.Tensor | None,
+        split: SplitKeys | None,
+        regions: int | None,
+        groups: list[KeyGroup] | None,
+    ) -> torch.Tensor | None:
+        """The mask over cache slots with which the fused stack takes this pass, or None
+        where the layer-by-layer path must: no stack, gathered keys or split passes, or rows
+        that the layers would not give span_attention (more than span_rows of one sequence).
+        A pass of several sequences (groups) is one mask over their regions (slot_mask)."""
+        if self.fused_stack is None or key_slots is not None or split is not None:
+            return None
+        span_rows = self.layers[0].attn.span_rows
+        if regions is not None:
+            return None
+        if groups is None:
+            return mask if rows <= span_rows else None
+        if any(g.rows.stop - g.rows.start > span_rows for g in groups):
+            return None
+        return slot_mask(groups, rows)
+
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """[R, hidden] final hidden states -> [R, vocab] float32 logits (capped for Gemma 2)."""
+        """[R, hidden] final hidden states -> [R, vocab] float32 logits (capped for Gemma 2:
+        a row at a time, so that no row's tanh is computed unlike another pass's, as torch's
+        vectorised and scalar forms may differ where a tensor's size splits them)."""
         out = self.lm_head(hidden)
         if self.cfg.final_softcap is not None:
-            out = softcap(out, self.cfg.final_softcap)
+            out = torch.stack([softcap(row, self.cfg.final_softcap) for row in out])
         return out.float()
 
     def forward(

@@ -19,6 +19,8 @@ the request and its seed: seeded sampling stays reproducible.
 
 from __future__ import annotations
 
+from understudy.policy.costs import Costs
+
 
 class AdaptiveK:
     PRIOR_ACCEPT = 0.8  # a prior belief, worth PRIOR_WEIGHT observations
@@ -28,17 +30,10 @@ class AdaptiveK:
     SEEN_ENOUGH = 1.0  # observations before a position's own estimate is used
     NEAR_TIE = 0.03  # rates this close to the best count as ties, won by the longer K
 
-    def __init__(
-        self,
-        k_max: int,
-        cost_ratio: float,
-        row_cost: float = 0.0,
-        pass_curve: tuple[float, ...] = (),
-    ) -> None:
+    def __init__(self, k_max: int, costs: Costs) -> None:
         self.k_max = k_max
-        self.c = cost_ratio  # one draft step / one target pass, measured at engine build
-        self.v = row_cost  # extra target cost per extra row in a pass, measured at build
-        self.curve = pass_curve  # t(n rows) / t(1 row), n = 1, 2, ..., where measured
+        self.costs = costs  # c and the pass's cost by its rows, measured at engine build
+        self.c = costs.draft_step
         self.hits = [self.PRIOR_ACCEPT * self.PRIOR_WEIGHT] * k_max  # accepted at position i
         self.tries = [self.PRIOR_WEIGHT] * k_max  # reached position i
         self.seen = [0.0] * k_max  # real (decayed) observations at position i, prior excluded
@@ -69,7 +64,7 @@ class AdaptiveK:
 
     def pass_cost(self, k: int) -> float:
         """A target pass of k + 1 rows in 1-row passes: the measured curve, else 1 + k v."""
-        return self.curve[k] if k < len(self.curve) else 1.0 + k * self.v
+        return self.costs.pass_cost(k)
 
     def rate(self, k: int) -> float:
         """Modelled tokens per target-pass-equivalent of a round of k guesses."""

@@ -20,74 +20,66 @@ share of it that its expected tokens are of the sequence's remaining budget. c =
 batched decoding, chosen when no speculation pays. The plan never changes which tokens are
 emitted (verification decides that), only how many rounds they take.
 
-A sampled sequence keeps its own planner's length (it is not capped), and steps its draft in
-passes of its own: its random draws then happen exactly as in its solo run, so a seeded
-request gives the same text batched as alone.
+A greedy tree is capped too: a tree of n nodes costs n rows of the shared pass, and under
+load those rows are what the pass cannot afford. The plans as made (trees whole) are one
+option, and each cap c another, where a capped tree becomes a chain of min(depth, c) guesses;
+the choice is whichever models faster (a tree's tokens: what the engine's tree rounds have
+emitted a round, at least its chain's estimate at its depth). Verification keeps a greedy answer the same either way.
+
+A sampled sequence keeps its own planner's length and shape (it is not capped), and steps
+its draft in passes of its own: its random draws then happen exactly as in its solo run, so
+a seeded request gives the same text batched as alone.
 """
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-import torch
-
-from understudy.models.runner import Runner
-from understudy.models.shared_pass import extend_together
-from understudy.policy.costs import CONTEXT, MEASURE_SPAN
-
-
-@dataclass(frozen=True)
-class Curve:
-    """Seconds of one pass by its rows, measured at `points` rows, linear in between and
-    beyond the last two points."""
-
-    points: tuple[int, ...]
-    seconds: tuple[float, ...]
-
-    def __call__(self, rows: float) -> float:
-        if rows <= 0:
-            return 0.0
-        xs, ys = self.points, self.seconds
-        if len(xs) == 1:
-            return ys[0] * rows / xs[0]
-        for i in range(1, len(xs)):
-            if rows <= xs[i] or i == len(xs) - 1:
-                slope = (ys[i] - ys[i - 1]) / (xs[i] - xs[i - 1])
-                return max(ys[i - 1] + slope * (rows - xs[i - 1]), 0.0)
-        raise AssertionError("unreachable")
+from understudy.policy.costs import PassCurve
 
 
 @dataclass(frozen=True)
 class BatchCosts:
-    target: Curve  # one target pass, by its rows (all sequences together)
-    draft: Curve | None  # one draft step, by the sequences sharing it (None: a free drafter)
+    target: PassCurve  # one target pass, by its rows (all sequences together)
+    draft: PassCurve | None  # one draft step, by the sequences sharing it (None: free)
 
     def draft_seconds(self, lengths: list[int], first_rows: list[float]) -> float:
         """Draft passes for chains of these lengths, one pass per depth shared by all the
         chains that reach it; the first holds first_rows[i] rows of each drafting chain."""
         if self.draft is None or not lengths or max(lengths) == 0:
             return 0.0
+        draft = self.draft
         first = sum(rows for k, rows in zip(lengths, first_rows, strict=True) if k > 0)
-        return self.draft(first) + sum(
-            self.draft(sum(1 for k in lengths if k >= depth))
+        return draft.seconds_at(first) + sum(
+            draft.seconds_at(sum(1 for k in lengths if k >= depth))
             for depth in range(2, max(lengths) + 1)
         )
 
 
 @dataclass(frozen=True)
 class Wish:
-    """One sequence's view of the round: its own planner's length, whether it is capped
-    (greedy sequences are), its expected tokens for k guesses, its draft model's lag (tokens
-    to feed before it can guess; 0 for a drafter without a model) and its remaining budget
-    (0: unknown, the whole lag is this round's)."""
+    """One sequence's view of the round: its own planner's length (a tree's depth), whether
+    it is capped (greedy sequences are), its expected tokens for k guesses, its draft model's
+    lag (tokens to feed before it can guess; 0 for a drafter without a model), its remaining
+    budget (0: unknown, the whole lag is this round's) and, for a tree, its nodes and its
+    expected tokens whole."""
 
     want: int
     capped: bool
     expected_tokens: Callable[[int], float]
     lag: int = 0
     remaining: int = 0
+    tree_rows: int = 0  # a tree's nodes, its rows in the pass (0: a chain)
+    tree_tokens: float = 0.0  # a whole tree's expected tokens
+
+    def rows(self, k: int, whole: bool) -> int:
+        """Its guesses' rows in the pass at length k: a tree's nodes while it stays whole."""
+        return self.tree_rows if whole and self.tree_rows else k
+
+    def tokens(self, k: int, whole: bool) -> float:
+        """Its expected tokens at length k: a tree's own while it stays whole."""
+        return self.tree_tokens if whole and self.tree_rows else self.expected_tokens(k)
 
     def first_rows(self, k: int) -> float:
         """This sequence's rows in the round's first draft pass when it drafts k guesses:
@@ -98,78 +90,31 @@ class Wish:
         return 1.0 + (self.lag - 1) * share
 
 
-def choose_cap(wishes: list[Wish], costs: BatchCosts) -> int:
-    """The cap c on capped sequences' lengths maximising modelled tokens per second."""
+def choose_cap(wishes: list[Wish], costs: BatchCosts) -> int | None:
+    """The cap on capped sequences' lengths (a capped tree: a chain) maximising modelled
+    tokens per second; None where the plans as made, trees whole, model faster than any cap
+    (only a batch with a capped tree has that option apart from the top cap)."""
     top = max((w.want for w in wishes if w.capped), default=0)
-    best_cap, best_rate = 0, -1.0
-    for cap in range(top + 1):
-        lengths = [min(w.want, cap) if w.capped else w.want for w in wishes]
-        tokens = sum(w.expected_tokens(k) for w, k in zip(wishes, lengths, strict=True))
-        pairs = list(zip(wishes, lengths, strict=True))
-        shared = [(k, w.first_rows(k)) for w, k in pairs if w.capped]
-        seconds = costs.target(sum(lengths) + len(lengths))
-        seconds += costs.draft_seconds([k for k, _ in shared], [rows for _, rows in shared])
-        for w, k in pairs:  # a sampled sequence steps its draft in passes of its own
-            if not w.capped:
-                seconds += costs.draft_seconds([k], [w.first_rows(k)])
-        rate = tokens / max(seconds, 1e-9)
+    options: list[int | None] = [None] if any(w.capped and w.tree_rows for w in wishes) else []
+    best_cap: int | None = 0
+    best_rate = -1.0
+    for cap in [*options, *range(top + 1)]:
+        rate = _rate(wishes, costs, cap)
         if rate > best_rate * (1 + 1e-6):
             best_cap, best_rate = cap, rate
     return best_cap
 
 
-def best_of(repeats: int, run: Callable[[], None]) -> float:
-    run()  # warm-up
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        run()
-        times.append(time.perf_counter() - t0)
-    return min(times)
-
-
-def pass_curve(
-    runners: list[Runner], points: list[int], repeats: int, each: int | None = None
-) -> Curve:
-    """A pass of r rows for each r in `points`, spread over the runners (each holding at
-    most `each` rows, default its row budget), after a CONTEXT-token prefix in each."""
-    device = runners[0].model.device
-    context = torch.arange(1, CONTEXT + 1, device=device)
-    for runner in runners:
-        runner.prefill(context, span=MEASURE_SPAN)
-    seconds = []
-    for rows in points:
-        budget = each or runners[0].rows or rows
-        sizes = [min(budget, rows - i * budget) for i in range(-(-rows // budget))]
-        assert len(sizes) <= len(runners), (rows, len(runners))
-        parts = runners[: len(sizes)]
-        fed = [torch.arange(40, 40 + n, device=device) for n in sizes]
-
-        def run(parts: list[Runner] = parts, fed: list[torch.Tensor] = fed) -> None:
-            extend_together(parts, fed)
-            for runner in parts:
-                runner.truncate(CONTEXT)
-
-        seconds.append(best_of(repeats, run))
-    for runner in runners:
-        runner.truncate(0)
-    return Curve(tuple(points), tuple(seconds))
-
-
-def row_points(most: int) -> list[int]:
-    """1, 2, 4, ... up to `most` (included)."""
-    points, rows = [], 1
-    while rows < most:
-        points.append(rows)
-        rows *= 2
-    return [*points, most]
-
-
-def measure_batch_costs(
-    targets: list[Runner], drafts: list[Runner] | None, most_rows: int, repeats: int = 2
-) -> BatchCosts:
-    """The target's pass curve up to `most_rows` rows and the draft's step curve up to one row
-    per seat, measured once when a batched engine is built."""
-    target = pass_curve(targets, row_points(most_rows), repeats)
-    draft = None if not drafts else pass_curve(drafts, row_points(len(drafts)), repeats, each=1)
-    return BatchCosts(target, draft)
+def _rate(wishes: list[Wish], costs: BatchCosts, cap: int | None) -> float:
+    """Modelled tokens per second of the round under `cap` (None: the plans as made)."""
+    whole = [cap is None or not w.capped for w in wishes]  # trees kept whole
+    lengths = [w.want if cap is None or not w.capped else min(w.want, cap) for w in wishes]
+    tokens = sum(w.tokens(k, t) for w, k, t in zip(wishes, lengths, whole, strict=True))
+    rows = sum(w.rows(k, t) for w, k, t in zip(wishes, lengths, whole, strict=True))
+    seconds = costs.target.seconds_at(rows + len(wishes))
+    shared = [(k, w.first_rows(k)) for w, k in zip(wishes, lengths, strict=True) if w.capped]
+    seconds += costs.draft_seconds([k for k, _ in shared], [r for _, r in shared])
+    for w, k in zip(wishes, lengths, strict=True):  # a sampled sequence steps its draft alone
+        if not w.capped:
+            seconds += costs.draft_seconds([k], [w.first_rows(k)])
+    return tokens / max(seconds, 1e-9)

@@ -31,6 +31,8 @@ greedy output never changes. Lossless: each round is verified exactly whatever i
 
 from __future__ import annotations
 
+from understudy.policy.costs import Costs
+
 
 class TreeOrChain:
     MIN_TRIES = 3  # rounds of each shape before the rates decide
@@ -39,18 +41,23 @@ class TreeOrChain:
     FAR_FACTOR = 4  # ... is tried this many times less often
     DECAY = 0.95  # older rounds of a shape count less
 
-    def __init__(self, cost_ratio: float, row_cost: float, tree_node_cost: float) -> None:
-        self.c = cost_ratio
-        self.v = row_cost
-        self.v_tree = tree_node_cost
+    def __init__(self, costs: Costs) -> None:
+        self.c = costs.draft_step
+        self.v = costs.row
+        self.v_tree = costs.tree_node
         self.tokens = {False: 0.0, True: 0.0}  # decayed tokens emitted, per shape (True: tree)
         self.cost = {False: 0.0, True: 0.0}  # decayed modelled cost, per shape
         self.tries = {False: 0, True: 0}  # rounds observed, per shape
+        self.rounds = {False: 0.0, True: 0.0}  # decayed rounds, per shape
         self.rounds_since_probe = 0
 
     def rate(self, tree: bool) -> float:
         """Tokens per target-pass-equivalent of this shape's rounds so far (0: untried)."""
         return self.tokens[tree] / self.cost[tree] if self.cost[tree] else 0.0
+
+    def tokens_per_round(self, tree: bool) -> float:
+        """Tokens a round of this shape has emitted, decayed as its rate (0: untried)."""
+        return self.tokens[tree] / self.rounds[tree] if self.rounds[tree] else 0.0
 
     def choose(self) -> bool:
         """True: draft this round as a tree; False: as a chain."""
@@ -74,5 +81,6 @@ class TreeOrChain:
     def observe(self, tree: bool, emitted: int, rows: int, draft_passes: int) -> None:
         """A verified round of this shape emitted `emitted` tokens (kept guesses + 1)."""
         self.tries[tree] += 1
+        self.rounds[tree] = self.rounds[tree] * self.DECAY + 1
         self.tokens[tree] = self.tokens[tree] * self.DECAY + emitted
         self.cost[tree] = self.cost[tree] * self.DECAY + self.round_cost(tree, rows, draft_passes)

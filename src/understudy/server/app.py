@@ -9,56 +9,37 @@ Every response that generated text carries the request's speculative statistics,
 in docs/design.md, under `metrics.speculative_decoding` (vLLM reports per-request
 speculative metrics the same way).
 
-The engine runs on one worker thread (worker.py); handlers only wait for its events.
+The engine runs on one worker thread (worker.py); handlers only wait for its events. The
+routes share one `ServedModel` (served.py); the generation routes are in completions.py.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-import time
-import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
-from contextlib import asynccontextmanager
+from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from pathlib import Path
 from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from understudy.engine.seats import kv_bytes_per_seat
-from understudy.server.choices import Assembly
-from understudy.server.generation import account, batched_work, generation_work
+from understudy.server.completions import add_completion_routes
 from understudy.server.guard import DEFAULT_BODY_TIMEOUT_S, Guard, api_key_problem
-from understudy.server.logprobs import TokenStrings
-from understudy.server.metrics import CONTENT_TYPE, Metrics
-from understudy.server.openapi import (
-    error_responses,
-    event_stream,
-    plain_text,
-    request_examples,
-)
-from understudy.server.prepare import Plan, plan_chat, plan_completion
-from understudy.server.protocol import (
-    SSE_HEADERS,
-    APIError,
-    ChatCompletionRequest,
-    CompletionRequest,
-    _SamplingRequest,
-    as_api_error,
-    sse,
-    validation_error,
-)
-from understudy.server.text_check import refuse_lone_surrogates
-from understudy.server.worker import Job, QueueFull, Worker
+from understudy.server.lab import add_lab_routes
+from understudy.server.metrics import CONTENT_TYPE
+from understudy.server.openapi import error_responses, plain_text
+from understudy.server.protocol import APIError, as_api_error, validation_error
+from understudy.server.served import ServedModel
+from understudy.server.worker import Worker
 
 log = logging.getLogger("understudy.server")
 
 DEFAULT_MAX_QUEUE = 64
 DEFAULT_MAX_BODY_BYTES = 1 << 20  # 1 MiB: a full 4096-token context is ~20 kB of text
-COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 
 
 def create_app(
@@ -81,15 +62,40 @@ def create_app(
     problem = api_key_problem(api_key)
     if problem is not None:
         raise ValueError(problem)
-    name = model_name or served_name(engine.target.name)
-    seats = engine.batch.seats
-    batched = len(seats) > 1  # /v1 requests run together on the seats (engine/batch.py)
-    worker = Worker(max_queue, engine.batch if batched else None)
-    metrics = Metrics(name, str(engine.method))
-    worker.on_pass = metrics.batch_pass
-    kv_per_seq = kv_bytes_per_seat(seats)
-    created = int(time.time())
-    strings = TokenStrings(engine.tokenizer)  # token ids -> strings and bytes, for logprobs
+    served = ServedModel(engine, model_name or served_name(engine.target.name), max_queue)
+    app = FastAPI(
+        title="understudy", docs_url=None, redoc_url=None, lifespan=_lifespan(served.worker)
+    )
+    app.state.engine = engine
+    app.state.worker = served.worker
+    app.state.metrics = served.metrics
+    app.state.model_name = served.name
+    app.state.submit = served.submit
+    add_error_handlers(app)
+    auth = (401,) if api_key else ()
+    add_info_routes(app, served, auth, () if public_metrics else auth, replicas)
+    add_completion_routes(app, served, auth)
+    add_lab_routes(
+        app,
+        engine,
+        served.submit,
+        served.metrics,
+        model_name=served.name,
+        auth_required=bool(api_key),
+    )
+    app.add_middleware(
+        Guard,
+        api_key=api_key,
+        max_body_bytes=max_body_bytes,
+        metrics=served.metrics,
+        public_metrics=public_metrics,
+        body_timeout_s=body_timeout_s,
+    )
+    return app
+
+
+def _lifespan(worker: Worker) -> Callable[[FastAPI], AbstractAsyncContextManager[None]]:
+    """The worker thread runs while the app does."""
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -98,11 +104,12 @@ def create_app(
         # uvicorn has drained the HTTP requests (SIGTERM); let the thread finish and go.
         await asyncio.get_running_loop().run_in_executor(None, worker.stop, 30.0)
 
-    app = FastAPI(title="understudy", docs_url=None, redoc_url=None, lifespan=lifespan)
-    app.state.engine = engine
-    app.state.worker = worker
-    app.state.metrics = metrics
-    app.state.model_name = name
+    return lifespan
+
+
+def add_error_handlers(app: FastAPI) -> None:
+    """Every error as OpenAI's JSON error body: the API's own, validation (400), routing
+    (404, 405 with its Allow header) and anything unforeseen (500, logged)."""
 
     @app.exception_handler(APIError)
     async def _api_error(request: Request, exc: APIError) -> JSONResponse:
@@ -130,24 +137,33 @@ def create_app(
         log.exception("internal error", exc_info=exc)
         return JSONResponse(as_api_error(exc).body(), status_code=500)
 
+
+def add_info_routes(
+    app: FastAPI,
+    served: ServedModel,
+    auth: tuple[int, ...],
+    metrics_auth: tuple[int, ...],
+    replicas: Callable[[], Awaitable[int]] | None,
+) -> None:
+    """GET /health, /metrics, /v1/models and /v1/models/{id}. `auth` and `metrics_auth` are
+    (401,) where an API key guards the route, else ()."""
+    engine, worker, metrics = served.engine, served.worker, served.metrics
+
     @app.get("/health")
     async def health() -> dict[str, Any]:
         report = {
             "status": "ok",
-            "model": name,
+            "model": served.name,
             "method": engine.method,
             "running": worker.running,
             "waiting": worker.waiting,
-            "max_num_seqs": len(seats),
+            "max_num_seqs": len(served.seats),
             "rows_last_pass": worker.rows_last_pass,
-            "kv_bytes_per_seq": kv_per_seq,
+            "kv_bytes_per_seq": served.kv_per_seq,
         }
         if replicas is not None:  # served by Ray Serve: the replicas running now
             report["replicas"] = await replicas()
         return report
-
-    auth = (401,) if api_key else ()
-    metrics_auth = () if public_metrics else auth
 
     @app.get(
         "/metrics",
@@ -158,182 +174,14 @@ def create_app(
         text = metrics.render(worker.running, worker.waiting)
         return Response(text, media_type=CONTENT_TYPE)
 
-    def model_card() -> dict[str, Any]:
-        return {
-            "id": name,
-            "object": "model",
-            "created": created,
-            "owned_by": "understudy",
-            "max_model_len": engine.max_context,
-        }
-
     @app.get("/v1/models", responses=error_responses(*auth))
     async def models() -> dict[str, Any]:
-        return {"object": "list", "data": [model_card()]}
+        return {"object": "list", "data": [served.model_card()]}
 
     @app.get("/v1/models/{model_id:path}", responses=error_responses(*auth, 404, 422))
     async def model(model_id: str) -> dict[str, Any]:
-        check_model(model_id, "model_id")
-        return model_card()
-
-    def check_model(requested: str, param: str = "model") -> None:
-        if requested != name:
-            raise APIError(
-                404,
-                f"the model {requested!r} does not exist: this server serves {name!r}",
-                param,
-                kind="not_found_error",
-                code="model_not_found",
-            )
-
-    def submit(work: Any, size: int = 1, in_batch: bool = False) -> Job:
-        job = Job(work, asyncio.get_running_loop(), size, in_batch)
-        try:
-            worker.submit(job)
-        except QueueFull:
-            raise APIError(
-                429,
-                f"the server is busy: {worker.max_queue} sequences are already waiting; "
-                "retry later",
-                kind="rate_limit_error",
-                code="queue_full",
-            ) from None
-        return job
-
-    app.state.submit = submit
-
-    async def generate(
-        request: Request, body: _SamplingRequest, plan: Plan, chat: bool
-    ) -> Response:
-        prompt_param = "messages" if chat else "prompt"
-        explicit = body.max_tokens is not None
-        parts = (engine, plan.render, plan.choices, explicit, prompt_param, plan.param)
-        if batched:
-            job = submit(batched_work(*parts), len(plan.choices), in_batch=True)
-        else:
-            job = submit(generation_work(*parts))
-        events = job.stream(request.is_disconnected)
-        streaming = False
-        try:
-            first = await anext(events, None)
-            if first is None or first[0] == "cancelled":
-                return Response(status_code=499)  # the client has gone; nobody reads this
-            if first[0] == "error":
-                raise as_api_error(first[1])
-            prompt_tokens = first[1]["prompt_tokens"]
-            response_id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
-            assembly = Assembly(plan.shape, len(plan.choices), strings, response_id, name)
-            if body.stream:
-                # The stream starts with the first token, so a request the engine refuses
-                # before it (a grammar that does not compile, constraints that leave no
-                # token) is a 4xx too, not a 200 whose one event is the error.
-                second = await anext(events, None)
-                if second is None or second[0] == "cancelled":
-                    return Response(status_code=499)
-                if second[0] == "error":
-                    raise as_api_error(second[1])
-                streaming = True  # stream_chunks owns `events` from here on
-                return StreamingResponse(
-                    stream_chunks(_after(second, events), job, body, assembly, prompt_tokens),
-                    media_type="text/event-stream",
-                    headers=SSE_HEADERS,
-                )
-            ttft = None
-            async for kind, payload in events:
-                if kind == "token":
-                    if ttft is None:
-                        ttft = time.perf_counter() - job.submitted_at
-                    assembly.on_token(*payload)
-                elif kind == "choice":
-                    assembly.outputs.append(payload[1])
-                    account(metrics, job, payload[1], ttft)
-                elif kind == "error":
-                    raise as_api_error(payload)
-                elif kind == "done":
-                    return JSONResponse(assembly.whole(prompt_tokens))
-            return Response(status_code=499)
-        finally:
-            if not streaming:
-                await events.aclose()
-
-    async def stream_chunks(
-        events: Any, job: Job, body: _SamplingRequest, assembly: Assembly, prompt_tokens: int
-    ) -> AsyncIterator[bytes]:
-        ttft = None
-        try:
-            async for kind, payload in events:
-                if kind == "token":
-                    if ttft is None:
-                        ttft = time.perf_counter() - job.submitted_at
-                    for chunk in assembly.on_token(*payload):
-                        yield sse(chunk)
-                elif kind == "choice":
-                    account(metrics, job, payload[1], ttft)
-                    for chunk in assembly.on_done(*payload, prompt_tokens):
-                        yield sse(chunk)
-                elif kind == "done":
-                    if body.include_usage_chunk:
-                        yield sse(assembly.usage_chunk(prompt_tokens))
-                    yield sse("[DONE]")
-                elif kind == "error":
-                    yield sse(as_api_error(payload).body())
-                    yield sse("[DONE]")
-        finally:
-            job.cancel()  # the client went away (or we are done): stop generating
-            await events.aclose()
-
-    generating = {
-        **event_stream("The response; with `stream: true`, its chunks as server-sent events"),
-        **error_responses(400, *auth, 404, 408, 413, 422, 429, 500),
-    }
-
-    @app.post(
-        "/v1/completions",
-        responses=generating,
-        openapi_extra=request_examples(name, chat=False),
-    )
-    async def completions(body: CompletionRequest, request: Request) -> Response:
-        refuse_lone_surrogates(body)
-        body.check_supported()
-        check_model(body.model)
-        plan = plan_completion(body, engine, COMPLETIONS_DEFAULT_MAX_TOKENS)
-        return await generate(request, body, plan, chat=False)
-
-    @app.post(
-        "/v1/chat/completions",
-        responses=generating,
-        openapi_extra=request_examples(name, chat=True),
-    )
-    async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
-        refuse_lone_surrogates(body)
-        body.check_supported()
-        check_model(body.model)
-        plan = plan_chat(body, engine, engine.max_context)  # default: until EOS or full context
-        return await generate(request, body, plan, chat=True)
-
-    from understudy.server.lab import add_lab_routes
-
-    add_lab_routes(app, engine, submit, metrics, model_name=name, auth_required=bool(api_key))
-
-    app.add_middleware(
-        Guard,
-        api_key=api_key,
-        max_body_bytes=max_body_bytes,
-        metrics=metrics,
-        public_metrics=public_metrics,
-        body_timeout_s=body_timeout_s,
-    )
-    return app
-
-
-async def _after(first: Any, rest: AsyncIterator[Any]) -> AsyncIterator[Any]:
-    """`first`, then the items of `rest` (closed with this iterator)."""
-    try:
-        yield first
-        async for item in rest:
-            yield item
-    finally:
-        await rest.aclose()
+        served.check_model(model_id, "model_id")
+        return served.model_card()
 
 
 def served_name(target: str) -> str:

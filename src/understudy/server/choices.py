@@ -22,7 +22,13 @@ from understudy.server.logprobs import (
     chat_logprobs,
     completion_logprobs,
 )
-from understudy.server.tools import ToolCall, ToolCallStream, constrained_calls, parse_tool_calls
+from understudy.server.tools import (
+    ToolCall,
+    ToolCallStream,
+    ToolMode,
+    constrained_calls,
+    parse_tool_calls,
+)
 
 
 @dataclass(frozen=True)
@@ -32,7 +38,7 @@ class Shape:
     chat: bool
     stop: list[str]
     logprobs: bool = False  # include logprobs (the engine computes them when asked)
-    tool_mode: str = "off"  # "off", "none", "auto", "required" or "named" (tools.py)
+    tool_mode: ToolMode = "off"  # tools.py
     tool_name: str | None = None  # the named function
     tool_names: tuple[str, ...] = ()  # every tool's name ("auto" takes untagged calls of these)
     echo: str = ""  # completions' echo: the prompt's text, sent before the completion

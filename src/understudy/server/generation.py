@@ -15,12 +15,14 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import replace
-from typing import Any
+from typing import Any, Literal
 
 from understudy.config import SamplingParams, UnderstudyError
 from understudy.server.metrics import Metrics
 from understudy.server.protocol import APIError, error_from_understudy
 from understudy.server.worker import Job
+
+PromptParam = Literal["prompt", "messages"]  # the request field an encoding error names
 
 
 def encode_for_budget(
@@ -28,7 +30,7 @@ def encode_for_budget(
     prompt: Any,
     params: SamplingParams,
     explicit_max_tokens: bool,
-    prompt_param: str,
+    prompt_param: PromptParam,
 ) -> list[int]:
     """Prompt token ids, or an APIError naming the field at fault (prompt, max_tokens)."""
     try:
@@ -73,7 +75,7 @@ def start(
     render: Callable[[], Any],
     params: SamplingParams,
     explicit_max_tokens: bool,
-    prompt_param: str,
+    prompt_param: PromptParam,
 ) -> list[int] | None:
     """Render and encode the prompt (worker thread) and emit "start"; None after emitting
     "error" when the prompt does not fit or does not encode."""
@@ -91,7 +93,7 @@ def generation_work(
     render: Callable[[], Any],
     choices: list[SamplingParams],
     explicit_max_tokens: bool,
-    prompt_param: str,
+    prompt_param: PromptParam,
     error_param: str | None = None,
 ) -> Callable[[Job], None]:
     """The worker-thread side of a /v1 request with len(choices) choices. Emits "start"
@@ -130,7 +132,7 @@ def batched_work(
     render: Callable[[], Any],
     choices: list[SamplingParams],
     explicit_max_tokens: bool,
-    prompt_param: str,
+    prompt_param: PromptParam,
     error_param: str | None = None,
 ) -> Callable[[Job], None]:
     """`generation_work`'s events, for the batch loop: the worker thread calls the returned
@@ -171,7 +173,7 @@ def batched_work(
                 sequence.cancel()
 
         job.sequences = [
-            engine.batch.submit(ids, params, on_token(i), on_done(i), on_error)
+            engine.scheduler.submit(ids, params, on_token(i), on_done(i), on_error)
             for i, params in enumerate(choices)
         ]
 

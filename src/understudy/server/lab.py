@@ -1,14 +1,16 @@
 """The Lab: /lab (one self-contained HTML page) and the JSON/SSE endpoints it drives.
 
 - GET  /lab                the page (src/understudy/web/lab.html; no external network)
-- GET  /lab/api/info       what the server runs: model, method, K, measured draft cost c
+- GET  /lab/api/info       what the server runs: model, method, K, its measured costs (draft
+                           cost c, row cost v, pass curve)
 - POST /lab/api/run        one generation on the real engine, streamed as server-sent events:
                            {"type": "start"}, a {"type": "token"} per emitted token (its
                            origin, round, the round's drafted tokens -- rejected ones
                            included -- and live counters), then {"type": "done"} with the stats.
                            mode "plain" uses the same weights with method="none".
 - GET  /lab/api/theory     `understudy.theory.simulate_report`: the same numbers as
-                           `understudy simulate` (Act 3's dial).
+                           `understudy simulate` (Act 3's dial), rows charged at row_cost
+                           or a comma-separated pass_curve.
 - GET  /lab/api/alpha      the per-token acceptance α implied by a measured
                            accepted/drafted rate at K (inverts `expected_acceptance_rate`).
 """
@@ -16,7 +18,7 @@
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from importlib import resources
 from typing import Any, Literal
 
@@ -25,8 +27,6 @@ from fastapi.responses import HTMLResponse, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field
 
 from understudy.config import SamplingParams, UnderstudyError
-from understudy.drafters.base import Drafter, Proposal
-from understudy.engine.request import Seat
 from understudy.server.generation import account, encode_for_budget, until_cancelled
 from understudy.server.metrics import Metrics
 from understudy.server.openapi import body_examples, error_responses, event_stream
@@ -55,52 +55,6 @@ class LabRun(BaseModel):
     seed: int | None = None
 
 
-class RecordingDrafter(Drafter):
-    """Wraps the engine's drafter for one Lab run to remember each round's drafted tokens
-    (the TokenEvent stream carries only the tokens that were kept). Every hook is passed on."""
-
-    def __init__(self, inner: Drafter) -> None:
-        self.inner = inner
-        self.needs_draft_model = inner.needs_draft_model
-        self.plans_length = inner.plans_length
-        self.wants_hidden = inner.wants_hidden
-        self.tree = inner.tree
-        self._last: list[int] | None = None
-
-    def begin(self, prompt_ids: list[int]) -> None:
-        self.inner.begin(prompt_ids)
-
-    def propose(self, tokens: list[int], k: int, params: Any, generator: Any) -> Proposal:
-        return self._remember(self.inner.propose(tokens, k, params, generator))
-
-    def propose_tree(
-        self, tokens: list[int], depth: int, nodes: int, params: Any, generator: Any
-    ) -> Proposal:
-        return self._remember(self.inner.propose_tree(tokens, depth, nodes, params, generator))
-
-    def commit(self, tokens: list[int]) -> None:
-        self.inner.commit(tokens)
-
-    def end(self, tokens: list[int]) -> None:
-        self.inner.end(tokens)
-
-    def observe_hidden(self, hidden: Any, start: int) -> None:
-        self.inner.observe_hidden(hidden, start)
-
-    @property
-    def stops_by_confidence(self) -> bool:
-        return self.inner.stops_by_confidence
-
-    def _remember(self, proposal: Proposal) -> Proposal:
-        self._last = proposal.draft_ids.tolist()
-        return proposal
-
-    def pop(self) -> list[int]:
-        """The drafted ids of the round now being emitted ([] when nothing was drafted)."""
-        drafted, self._last = self._last or [], None
-        return drafted
-
-
 class _Engines:
     """The served engine and, built on first use (on the worker thread), its plain twin."""
 
@@ -127,7 +81,9 @@ class _Engines:
 
 
 def lab_work(engines: _Engines, run: LabRun, params: SamplingParams) -> Callable[[Job], None]:
-    """The worker-thread side of a Lab run: emits "start", "token" payloads, "done"."""
+    """The worker-thread side of a Lab run: emits "start", "token" payloads, "done". Each
+    round's drafted tokens (rejected ones included) come from the engine's `on_round`, which
+    reports a round before its tokens are emitted."""
 
     def work(job: Job) -> None:
         engine = engines.for_mode(run.mode)
@@ -137,63 +93,45 @@ def lab_work(engines: _Engines, run: LabRun, params: SamplingParams) -> Callable
         except APIError as error:
             job.emit("error", error)
             return
-        recorder = RecordingDrafter(engine.drafter) if engine.drafter is not None else None
-        seat = engine.seat  # a solo run's rounds call this seat's drafter
-        if recorder is not None:
-            engine.drafter, engine.seat = recorder, Seat(seat.runner, recorder)
-        try:
-            job.emit("start", {"prompt_tokens": len(ids)})
-            stream = engine.stream(ids, params)
-            t0 = time.perf_counter()
-            counters = {"tokens": 0, "passes": 0, "rounds": 0, "drafted": 0, "accepted": 0}
-            current = -1
-            for event in until_cancelled(stream, job):
-                payload: dict[str, Any] = {
-                    "type": "token",
-                    "id": event.token_id,
-                    "text": event.text,
-                    "piece": engines.piece(event.token_id),
-                    "origin": event.origin,
-                    "round": event.round,
-                }
-                if event.round != current:  # the first token of a new round (target pass)
-                    current = event.round
-                    counters["passes"] = event.round + 1  # the prefill is pass 1
-                    counters["rounds"] = event.round
-                    drafted = recorder.pop() if recorder is not None and event.round else []
-                    counters["drafted"] += len(drafted)
-                    payload["drafted"] = [{"id": t, "piece": engines.piece(t)} for t in drafted]
-                counters["tokens"] += 1
-                counters["accepted"] += event.origin == "accepted"
-                payload["counters"] = dict(counters)
-                payload["t"] = time.perf_counter() - t0
-                job.emit("token", payload)
-            job.emit("cancelled" if job.cancelled.is_set() else "done", stream.output)
-        finally:
-            if recorder is not None:
-                engine.drafter, engine.seat = recorder.inner, seat
+        drafted_in: dict[int, list[int]] = {}  # round -> its drafted ids, until shown
+        job.emit("start", {"prompt_tokens": len(ids)})
+        stream = engine.stream(
+            ids, params, on_round=lambda r: drafted_in.update({r.round: r.drafted})
+        )
+        t0 = time.perf_counter()
+        counters = {"tokens": 0, "passes": 0, "rounds": 0, "drafted": 0, "accepted": 0}
+        current = -1
+        for event in until_cancelled(stream, job):
+            payload: dict[str, Any] = {
+                "type": "token",
+                "id": event.token_id,
+                "text": event.text,
+                "piece": engines.piece(event.token_id),
+                "origin": event.origin,
+                "round": event.round,
+            }
+            if event.round != current:  # the first token of a new round (target pass)
+                current = event.round
+                counters["passes"] = event.round + 1  # the prefill is pass 1
+                counters["rounds"] = event.round
+                drafted = drafted_in.pop(event.round, [])
+                counters["drafted"] += len(drafted)
+                payload["drafted"] = [{"id": t, "piece": engines.piece(t)} for t in drafted]
+            counters["tokens"] += 1
+            counters["accepted"] += event.origin == "accepted"
+            payload["counters"] = dict(counters)
+            payload["t"] = time.perf_counter() - t0
+            job.emit("token", payload)
+        job.emit("cancelled" if job.cancelled.is_set() else "done", stream.output)
 
     return work
-
-
-def alpha_from_acceptance(rate: float, k: int) -> float:
-    """The α whose expected accepted/drafted at K equals `rate` (bisection; monotone in α)."""
-    from understudy.policy.theory import expected_acceptance_rate
-
-    low, high = 0.0, 1.0
-    for _ in range(60):
-        mid = (low + high) / 2
-        if expected_acceptance_rate(mid, k) < rate:
-            low = mid
-        else:
-            high = mid
-    return (low + high) / 2
 
 
 def _theory_error(error: UnderstudyError) -> APIError:
     message = str(error)
     first = message.split(" ", 1)[0]
-    param = {"alpha": "alpha", "c": "c", "K": "k"}.get(first)
+    params = {"alpha": "alpha", "c": "c", "K": "k", "row_cost": "row_cost"}
+    param = params.get(first) or ("pass_curve" if first == "pass_curve" else None)
     return APIError(400, message, param)
 
 
@@ -206,8 +144,16 @@ def add_lab_routes(
     model_name: str,
     auth_required: bool,
 ) -> None:
-    engines = _Engines(engine)
+    """The Lab's page and API on `app`, over the served `engine`."""
     auth = (401,) if auth_required else ()
+    _add_page_and_info(app, engine, auth, model_name=model_name, auth_required=auth_required)
+    _add_theory_routes(app, auth)
+    _add_run_route(app, _Engines(engine), submit, metrics, auth)
+
+
+def _add_page_and_info(
+    app: FastAPI, engine: Any, auth: tuple[int, ...], *, model_name: str, auth_required: bool
+) -> None:
     page = resources.files("understudy").joinpath("web/lab.html").read_text(encoding="utf-8")
 
     @app.get("/lab", response_class=HTMLResponse)
@@ -222,6 +168,8 @@ def add_lab_routes(
             "method": engine.method,
             "k": engine.k,
             "cost_ratio": engine.costs.draft_step,
+            "row_cost": engine.costs.row,
+            "pass_curve": list(engine.costs.pass_curve.ratios),
             "max_context": engine.max_context,
             "max_tokens": LAB_MAX_TOKENS,
             "chat_template": bool(
@@ -230,23 +178,51 @@ def add_lab_routes(
             "auth_required": auth_required,
         }
 
-    @app.get("/lab/api/theory", responses=error_responses(400, *auth, 422))
-    async def lab_theory(alpha: float, c: float, k: int | None = None) -> dict[str, Any]:
-        from understudy.policy.theory import simulate_report
 
+def _add_theory_routes(app: FastAPI, auth: tuple[int, ...]) -> None:
+    """Act 3's dial: the theory at given α, c and row costs, and α from a measured rate."""
+
+    @app.get("/lab/api/theory", responses=error_responses(400, *auth, 422))
+    async def lab_theory(
+        alpha: float,
+        c: float,
+        k: int | None = None,
+        row_cost: float | None = None,
+        pass_curve: str | None = None,
+    ) -> dict[str, Any]:
+        from understudy.policy.theory import PassCost, parse_pass_curve, simulate_report
+
+        if row_cost is not None and pass_curve is not None:
+            raise APIError(400, "give row_cost or pass_curve, not both", "pass_curve")
         try:
-            return simulate_report(alpha, c, k, rounds=THEORY_ROUNDS)
+            passes = (
+                PassCost(row=row_cost or 0.0)
+                if pass_curve is None
+                else PassCost.from_curve(parse_pass_curve(pass_curve))
+            )
+            return simulate_report(alpha, c, k, passes=passes, rounds=THEORY_ROUNDS)
         except UnderstudyError as error:
             raise _theory_error(error) from None
 
     @app.get("/lab/api/alpha", responses=error_responses(400, *auth, 422))
     async def lab_alpha(acceptance_rate: float, k: int) -> dict[str, Any]:
-        if not 0.0 <= acceptance_rate <= 1.0:
-            raise APIError(400, "acceptance_rate must be in [0, 1]", "acceptance_rate")
+        from understudy.policy.theory import alpha_from_acceptance_rate
+
         if not 1 <= k <= 64:
             raise APIError(400, "k must be in 1..64", "k")
-        return {"alpha": alpha_from_acceptance(acceptance_rate, k), "k": k}
+        try:
+            return {"alpha": alpha_from_acceptance_rate(acceptance_rate, k), "k": k}
+        except UnderstudyError as error:
+            raise APIError(400, str(error), "acceptance_rate") from None
 
+
+def _add_run_route(
+    app: FastAPI,
+    engines: _Engines,
+    submit: Callable[[Callable[[Job], None]], Job],
+    metrics: Metrics,
+    auth: tuple[int, ...],
+) -> None:
     @app.post(
         "/lab/api/run",
         response_class=StreamingResponse,
@@ -281,37 +257,32 @@ def add_lab_routes(
         start = {
             "type": "start",
             "mode": run.mode,
-            "method": engine.method if run.mode == "spec" else "none",
+            "method": engines.engine.method if run.mode == "spec" else "none",
             "prompt_tokens": first[1]["prompt_tokens"],
         }
+        body = _run_events(job, events, start, metrics)
+        return StreamingResponse(body, media_type="text/event-stream", headers=SSE_HEADERS)
 
-        async def body() -> Any:
-            ttft = None
-            try:
-                yield sse(start)
-                async for kind, payload in events:
-                    if kind == "token":
-                        if ttft is None:
-                            ttft = time.perf_counter() - job.submitted_at
-                        yield sse(payload)
-                    elif kind == "done":
-                        account(metrics, job, payload, ttft)
-                        yield sse(
-                            {
-                                "type": "done",
-                                "text": payload.text,
-                                "token_ids": payload.token_ids,
-                                "stats": payload.stats.to_dict(),
-                            }
-                        )
-                    elif kind == "error":
-                        yield sse({"type": "error", "message": as_api_error(payload).message})
-            finally:
-                job.cancel()
-                await events.aclose()
 
-        return StreamingResponse(
-            body(),
-            media_type="text/event-stream",
-            headers=SSE_HEADERS,
-        )
+async def _run_events(
+    job: Job, events: AsyncGenerator[tuple[str, Any]], start: dict[str, Any], metrics: Metrics
+) -> AsyncIterator[bytes]:
+    """A Lab run's server-sent events: start, a token each, then done (or error)."""
+    ttft = None
+    try:
+        yield sse(start)
+        async for kind, payload in events:
+            if kind == "token":
+                if ttft is None:
+                    ttft = time.perf_counter() - job.submitted_at
+                yield sse(payload)
+            elif kind == "done":
+                account(metrics, job, payload, ttft)
+                done = {"type": "done", "text": payload.text, "token_ids": payload.token_ids,
+                        "stats": payload.stats.to_dict()}  # fmt: skip
+                yield sse(done)
+            elif kind == "error":
+                yield sse({"type": "error", "message": as_api_error(payload).message})
+    finally:
+        job.cancel()
+        await events.aclose()

@@ -24,7 +24,7 @@ from typing import Any, ClassVar, Literal
 from fastapi.exceptions import RequestValidationError
 from pydantic import BaseModel, ConfigDict, Field
 
-from understudy.config import SamplingParams, StructuredSpec, UnderstudyError
+from understudy.config import MAX_LOGPROBS, SamplingParams, StructuredSpec, UnderstudyError
 from understudy.server.refused import refused_field
 from understudy.server.request_parts import (
     NamedToolChoice,
@@ -314,6 +314,12 @@ class ChatCompletionRequest(_SamplingRequest):
         super().check_supported()
         if self.top_logprobs is not None and not self.logprobs:
             raise APIError(400, "top_logprobs needs logprobs: true", "top_logprobs")
+        if self.top_logprobs is not None and not 0 <= self.top_logprobs <= MAX_LOGPROBS:
+            raise APIError(
+                400,
+                f"top_logprobs must be an integer in 0..{MAX_LOGPROBS}, got {self.top_logprobs}",
+                "top_logprobs",
+            )
         if self.max_completion_tokens is not None:
             if self.max_tokens is not None and self.max_tokens != self.max_completion_tokens:
                 raise APIError(

@@ -38,7 +38,10 @@ EVERYWHERE: dict[str, Rule] = {
     "logits_processors": (_absent, "custom logits processors are not supported"),
     "return_tokens_as_token_ids": (_absent, "tokens are returned as text"),
     "skip_special_tokens": (_one_of(True), "special tokens are always left out of the text"),
-    "guided_whitespace_pattern": (_absent, "JSON output is compact, without optional spaces"),
+    "guided_whitespace_pattern": (
+        _absent,
+        "JSON output has fixed separators and no other whitespace",
+    ),
 }
 IN_CHAT: dict[str, Rule] = {
     "functions": (_absent, "the functions API is deprecated: send tools"),

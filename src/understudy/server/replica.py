@@ -27,6 +27,8 @@ from typing import Any
 
 log = logging.getLogger("understudy.server")
 
+APP_NAME = "understudy"  # the Serve application `understudy serve --replicas` deploys
+DEPLOYMENT_NAME = "engine"  # its one deployment, of EngineReplica
 SERVE_NAMESPACE = "serve"  # the Ray namespace Ray Serve creates its replica actors in
 
 REPLICA_HEADER = b"x-understudy-replica"
@@ -159,6 +161,16 @@ async def _next_message(sent: asyncio.Queue[dict[str, Any]], task: asyncio.Futur
     raise RuntimeError("the app returned without completing its response")
 
 
+def running_replicas() -> int:
+    """Replicas of the engine deployment that Ray Serve reports RUNNING (a controller call)."""
+    from ray import serve
+
+    application = serve.status().applications.get(APP_NAME)
+    if application is None or DEPLOYMENT_NAME not in application.deployments:
+        return 0
+    return application.deployments[DEPLOYMENT_NAME].replica_states.get("RUNNING", 0)
+
+
 class EngineReplica:
     """A Ray Serve deployment class: one engine, its worker thread and its app.
 
@@ -190,8 +202,6 @@ class EngineReplica:
 
     async def running_replicas(self) -> int:
         """Replicas of this deployment that Ray Serve reports RUNNING (this one included)."""
-        from understudy.server.replicas import running_replicas
-
         return await asyncio.to_thread(running_replicas)
 
     async def _publish_now(self) -> None:

@@ -32,10 +32,14 @@ from dataclasses import dataclass
 from typing import Any
 
 from understudy.config import UnderstudyError
-from understudy.server.replica import ReplicaSpec
+from understudy.server.replica import (
+    APP_NAME,
+    DEPLOYMENT_NAME,
+    EngineReplica,
+    ReplicaSpec,
+    running_replicas,
+)
 
-APP_NAME = "understudy"
-DEPLOYMENT_NAME = "engine"
 LIGHT_ROUTE_SLOTS = 4  # /health, /v1/models, the Lab's info: calls beside a full queue
 HEALTH_CHECK_PERIOD_S = 2.0  # Ray Serve's check that a replica still answers
 TARGET_ONGOING_REQUESTS = 1.0  # autoscaling: an engine decodes one request at a time
@@ -92,16 +96,6 @@ class ScaleOptions:
         }
 
 
-def running_replicas() -> int:
-    """Replicas of the engine deployment that Ray Serve reports RUNNING (a controller call)."""
-    from ray import serve
-
-    application = serve.status().applications.get(APP_NAME)
-    if application is None or DEPLOYMENT_NAME not in application.deployments:
-        return 0
-    return application.deployments[DEPLOYMENT_NAME].replica_states.get("RUNNING", 0)
-
-
 def serve_replicas(
     spec: ReplicaSpec,
     scale: ScaleOptions,
@@ -129,7 +123,6 @@ def serve_replicas(
         from ray import serve
 
         from understudy.server.front import Front
-        from understudy.server.replica import EngineReplica
         from understudy.server.replica_metrics import board_actor
 
         _check_room(scale)

@@ -19,13 +19,16 @@ import re
 import uuid
 from collections.abc import Collection
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 from understudy.config import StructuredSpec
 from understudy.server.protocol import APIError, ChatCompletionRequest
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
 FENCE = "```"
+# "off": no tools; else tool_choice: "none", "auto", "required", or "named" (one function)
+ToolMode = Literal["off", "none", "auto", "required", "named"]
+ScanState = Literal["text", "tag", "fence", "bare"]  # text, in <tool_call>, in ```, a bare {
 _FENCED = re.compile(r"```[\w-]*[ \t]*\n?(.*?)(?:```)?\s*", re.DOTALL)  # a code block
 
 
@@ -49,7 +52,7 @@ def new_call(name: str, arguments: Any) -> ToolCall:
     return ToolCall(name, text, "call_" + uuid.uuid4().hex[:24])
 
 
-def tool_mode(body: ChatCompletionRequest) -> str:
+def tool_mode(body: ChatCompletionRequest) -> ToolMode:
     """ "off" (no tools), "none", "auto", "required" or "named"."""
     if not body.tools:
         if body.tool_choice not in (None, "none"):
@@ -57,7 +60,7 @@ def tool_mode(body: ChatCompletionRequest) -> str:
         return "off"
     choice = body.tool_choice or "auto"
     if isinstance(choice, str):
-        mode = choice
+        mode: ToolMode = choice
     else:
         names = [tool.function.name for tool in body.tools]
         if choice.function.name not in names:
@@ -82,7 +85,7 @@ def _parameters(tool: Any) -> dict[str, Any]:
     return tool.function.parameters or {"type": "object", "properties": {}}
 
 
-def tool_constraint(body: ChatCompletionRequest, mode: str) -> StructuredSpec | None:
+def tool_constraint(body: ChatCompletionRequest, mode: ToolMode) -> StructuredSpec | None:
     """The JSON schema a named or required tool_choice constrains the output to."""
     if mode == "named":
         name = body.tool_choice.function.name  # type: ignore[union-attr]
@@ -205,7 +208,7 @@ def _fenced_call(block: str, names: Collection[str]) -> ToolCall | None:
     return None if match is None else _call_from_json(match.group(1).strip(), names)
 
 
-def constrained_calls(text: str, mode: str, name: str | None) -> list[ToolCall]:
+def constrained_calls(text: str, mode: ToolMode, name: str | None) -> list[ToolCall]:
     """ "named" / "required": the calls in an output the grammar kept to their schema (an
     output cut short by max_tokens or a stop string may not parse: then no calls)."""
     try:
@@ -231,7 +234,7 @@ class ToolCallStream:
     def __init__(self, names: Collection[str] = ()) -> None:
         self.names = frozenset(names)
         self.buffer = ""
-        self.state = "text"  # "text", "tag" (in <tool_call>), "fence" (in ```), "bare"
+        self.state: ScanState = "text"
         self.spoke = False  # content other than white space has been sent
         self.calls = 0
 
@@ -268,7 +271,7 @@ class ToolCallStream:
                 if first == "{":
                     self.state = "bare"
                     continue
-            openers = [(self.buffer.find(OPEN), "tag")]
+            openers: list[tuple[int, ScanState]] = [(self.buffer.find(OPEN), "tag")]
             if self.names:
                 openers.append((self.buffer.find(FENCE), "fence"))
             found = [(i, state) for i, state in openers if i >= 0]

@@ -35,10 +35,11 @@ import queue
 import threading
 import time
 from collections import deque
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncGenerator, Awaitable, Callable
 from typing import Any
 
-from understudy.engine.batch import BatchLoop, Sequence
+from understudy.engine.scheduler import Scheduler
+from understudy.engine.sequence import Sequence
 
 log = logging.getLogger("understudy.server")
 
@@ -99,7 +100,7 @@ class Job:
 
     async def stream(
         self, is_disconnected: Callable[[], Awaitable[bool]], poll_s: float = 0.25
-    ) -> AsyncIterator[tuple[str, Any]]:
+    ) -> AsyncGenerator[tuple[str, Any]]:
         """The job's events, up to and including the terminal one. Checks the client between
         events (and every `poll_s` while waiting) and cancels the job when it has gone; the
         iteration then simply ends."""
@@ -127,7 +128,7 @@ class Worker:
     """The single thread that owns the engine (and `batch`, its batch loop, if it has one
     with several seats)."""
 
-    def __init__(self, max_queue: int, batch: BatchLoop | None = None) -> None:
+    def __init__(self, max_queue: int, batch: Scheduler | None = None) -> None:
         if max_queue < 0:
             raise ValueError("max_queue must be >= 0")
         self.max_queue = max_queue

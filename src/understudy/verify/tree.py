@@ -51,7 +51,8 @@ def verify_tree_greedy(tree: TokenTree, target_logits: torch.Tensor) -> TreeVerd
     """Greedy tree verification. target_logits: [N, vocab], row i = the target after node i."""
     target_ids = target_logits.argmax(-1).tolist()  # [N]
     tokens, children = tree.tokens.tolist(), tree.children()
-    node, path = 0, []
+    node = 0
+    path: list[int] = []
     while True:
         nxt = next((c for c in children[node] if tokens[c] == target_ids[node]), None)
         if nxt is None:
@@ -83,8 +84,9 @@ def verify_tree_sampling(
             continue
         if not children[node]:  # a leaf: the bonus token comes from p itself
             return TreeVerdict(path, int(sample(target_probs[node][None], generator)), True)
-        total = residual.sum()
+        total = float(residual.sum())
         if total <= 0:  # the children held all of p's mass (cannot all be rejected), rounding
-            residual, total = target_probs[node].double(), target_probs[node].double().sum()
+            residual = target_probs[node].double()
+            total = float(residual.sum())
         probs = (residual / total).float()[None]  # [1, vocab]
         return TreeVerdict(path, int(sample(probs, generator)), False)
