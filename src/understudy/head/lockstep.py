@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
-from understudy.engine.builder import (
+from understudy.engine.pass_shape import (
     ROW_INVARIANT_ROWS,
     install_row_invariant_kernels,
     row_invariant_kernels,
