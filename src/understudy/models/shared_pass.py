@@ -94,14 +94,16 @@ def score_together(
     tokens = [fed.tokens if isinstance(fed, TreeRows) else fed for fed in rows]
     fed_all = torch.cat([t.to(device) for t in tokens])  # [R]
     empty = torch.ones(start, 0, dtype=torch.bool, device=device)  # unused: groups decide
+    taps: list[torch.Tensor] | None = [] if any(r.keep_hidden for r in runners) else None
     hidden = model.hidden_states(
-        fed_all, torch.cat(positions), torch.cat(slots), empty, groups=groups
+        fed_all, torch.cat(positions), torch.cat(slots), empty, groups=groups, features=taps
     )  # [R, hidden]
+    kept = torch.cat(taps, dim=-1) if taps else hidden  # what Runner.forward would keep
     for runner, group, fed in zip(runners, groups, rows, strict=True):
         if not isinstance(fed, TreeRows):
             runner.length += fed.shape[0]
         if runner.keep_hidden:
-            runner.last_hidden = hidden[group.rows]
+            runner.last_hidden = kept[group.rows]
     logits = model.logits(hidden[torch.tensor(logit_rows, device=device)])  # [rows, V]
     sizes = [1 if last_only else rows_in(fed) for fed in rows]
     return list(logits.split(sizes))
