@@ -23,6 +23,7 @@ from understudy import Engine, SamplingParams, UnderstudyError
 from understudy.head.features import sequence_data
 from understudy.head.lockstep import prepare_target
 from understudy.head.pipeline import train_head
+from understudy.kernels import qgemm
 from understudy.models.loader import load_model
 from understudy.models.quant import Int4Linear
 from understudy.policy.costs import Costs
@@ -122,6 +123,9 @@ def test_head_quantization_is_chosen_and_checked(trained):
     engine = build("int8")
     assert engine.drafter.head.quantization.scheme == "int8"
     assert accepted_in_greedy_identity(engine, random_prompts(3, seed=23), 32) > 0
+    blocks = build("q8_0")
+    assert isinstance(blocks.drafter.head.fc, qgemm.QuantLinear)
+    assert accepted_in_greedy_identity(blocks, random_prompts(3, seed=23), 32) > 0
     with pytest.raises(UnderstudyError, match="draft_quantization must be"):
         build("int3")
 
@@ -299,6 +303,47 @@ def test_sampling_law_with_doubt(sampling_head):
     params = SamplingParams(ignore_eos=True, **WARPS["top_k"])
     pvalue = goodness_of_fit(engine, [11, 42, 7], params, samples=1500)
     assert pvalue > P_THRESHOLD, f"p = {pvalue:.2e}"
+
+
+@pytest.fixture(scope="module")
+def sampling_eagle_blocks(sampling_head):
+    """The sampling head with its linears in Q4_0 blocks on qgemm (models/block_linears.py)."""
+    target, folder = sampling_head
+    return Engine.from_pretrained(
+        target=target, method="eagle", draft=str(folder), dtype="float32",
+        num_speculative_tokens=2, tree="off", draft_quantization="q4_0",
+    )  # fmt: skip
+
+
+@pytest.mark.skipif(not qgemm.available(), reason="qgemm cannot be built here")
+def test_block_head_sampling_matches_target_law(sampling_eagle_blocks):
+    """A head drafting on the block kernels keeps the target's law: N = 1500 samples of
+    (x1, x2, x3), chi-squared, p > 0.001."""
+    assert isinstance(sampling_eagle_blocks.drafter.head.lm, qgemm.QuantLinear)
+    params = SamplingParams(ignore_eos=True, **WARPS["min_p"])
+    pvalue = goodness_of_fit(sampling_eagle_blocks, [11, 42, 7], params, samples=1500)
+    assert pvalue > P_THRESHOLD, f"p = {pvalue:.2e}"
+
+
+@pytest.mark.skipif(not qgemm.available(), reason="qgemm cannot be built here")
+def test_a_head_that_misstates_its_law_fails_the_same_test(sampling_eagle_blocks, monkeypatch):
+    """Mutation: a head that samples its guess at the request's warp but hands the verifier
+    q unwarped (its plain softmax) is detected by the same test."""
+    from understudy.drafters import eagle as eagle_module
+
+    real_guess = eagle_module.EagleProposer._guess
+
+    def misstated(self, predicted, params, generator):
+        token, q, own = real_guess(self, predicted, params, generator)
+        logits = self.head.draft_logits(predicted[None]).float().cpu()[0]  # [N]
+        q = torch.zeros(self.head.cfg.target_vocab_size)
+        q[self.vocab] = torch.softmax(logits, -1)
+        return token, q, own
+
+    monkeypatch.setattr(eagle_module.EagleProposer, "_guess", misstated)
+    params = SamplingParams(ignore_eos=True, **WARPS["min_p"])
+    pvalue = goodness_of_fit(sampling_eagle_blocks, [11, 42, 7], params, samples=1500)
+    assert pvalue < P_THRESHOLD, f"the misstated q was not detected (p = {pvalue:.3f})"
 
 
 def test_wrong_verifier_fails_the_same_test(sampling_eagle, monkeypatch):

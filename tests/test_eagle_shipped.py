@@ -89,6 +89,29 @@ def test_method_eagle_finds_the_shipped_head_for_its_file(trained, monkeypatch, 
     assert accepted > 0
 
 
+@pytest.mark.parametrize("scheme,kind", [("auto", "Q4_0"), ("q8_0", "Q8_0")])
+def test_the_head_drafts_on_the_targets_block_kernels(trained, scheme, kind):
+    """Beside a target that runs from its GGUF blocks, draft_quantization="auto" puts the
+    head's linears, its LM rows included, in Q4_0 blocks on qgemm (q8_0: Q8_0, as asked);
+    greedy output is plain decoding's, and the head's guesses are kept."""
+    target, folder, _ = trained
+    engine = Engine.from_pretrained(
+        target=target, method="eagle", draft=str(folder), draft_quantization=scheme,
+        num_speculative_tokens=3, max_context=256,
+    )  # fmt: skip
+    head = engine.drafter.head
+    for linear in (head.fc, head.lm, head.block.mlp.w_down):
+        assert isinstance(linear, qgemm.QuantLinear) and linear.parts[0].kind.name == kind
+    plain = engine.with_method("none")
+    params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    accepted = 0
+    for prompt in ([5, 6, 7, 8], [100, 3, 250], [42, 17]):
+        out = engine.generate(prompt, params)
+        assert out.token_ids == plain.generate(prompt, params).token_ids
+        accepted += out.stats.accepted
+    assert accepted > 0
+
+
 def test_a_shipped_head_of_another_file_is_refused(trained, monkeypatch, tmp_path):
     """The packed head of one file, asked for by another (the same network written again:
     another file), is refused with a line that says whose it is and how to train one."""

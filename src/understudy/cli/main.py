@@ -90,7 +90,8 @@ def generate(
         str,
         typer.Option(
             help="auto | none | int8 | int4 | int4-g32 (the draft model or eagle's head); "
-            "q4_0 (a GGUF draft's Q5_0 tensors as Q4_0)."
+            "q4_0 (a GGUF draft's Q5_0 tensors as Q4_0; eagle's head in Q4_0 blocks), "
+            "q8_0 (eagle's head in Q8_0 blocks)."
         ),
     ] = "auto",
     option: Annotated[

@@ -41,6 +41,7 @@ from understudy.config import SamplingParams, TreeMode, UnderstudyError
 from understudy.drafters.base import EMPTY, Proposal, Traits, register
 from understudy.drafters.calibration import DoubtRules, RoundRecord, chain_and_tree_options
 from understudy.drafters.tree_search import BestFirstTree, tree_log_scores
+from understudy.models.block_linears import BLOCK_SCHEMES, block_linears
 from understudy.models.eagle_head import CONFIG_FILE, EagleHead, read_head_config
 from understudy.models.head_file import file_sha256, load_any_head, read_packed, shipped_head
 from understudy.models.loader import LoadedModel
@@ -171,8 +172,12 @@ class EagleProposer(DoubtRules):
     def quantize(self, scheme: str) -> None:
         """Quantize the head's linears, its LM rows included (models/quant.py), in place. It
         only drafts, so this changes how often guesses are kept, never the output (int4-g32
-        halved a head step on a 2-core CPU and moved held-out agreement by <= 0.004)."""
-        quantize_model(self.head, scheme)
+        halved a head step on a 2-core CPU and moved held-out agreement by <= 0.004), or in
+        GGUF blocks on qgemm (q8_0 / q4_0: models/block_linears.py)."""
+        if scheme in BLOCK_SCHEMES:
+            block_linears(self.head, scheme)
+        else:
+            quantize_model(self.head, scheme)
 
     def begin(self, prompt_ids: list[int]) -> None:
         self.known = 0

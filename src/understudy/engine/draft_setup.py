@@ -9,6 +9,8 @@ import torch
 
 from understudy.config import DType, Quantization, UnderstudyError
 from understudy.engine.pass_shape import ROW_INVARIANT_ROWS, use_fused_layers, use_span_attention
+from understudy.kernels import qgemm
+from understudy.models.block_linears import BLOCK_SCHEMES
 from understudy.models.hf_fallback import FallbackLM
 from understudy.models.loader import LoadedModel, load_model
 from understudy.models.quant import SCHEMES, load_or_quantize
@@ -19,6 +21,7 @@ from understudy.models.transformer import Transformer
 
 DEFAULT_CPU_DRAFT_QUANTIZATION = "int4-g32"  # measured fastest on this CPU: docs/quantized-draft.md
 AUTO_BLOCKS_SCHEME = REQUANTIZE_SCHEME  # "auto" for a draft running from its GGUF blocks
+HEAD_BLOCKS_SCHEME = "q4_0"  # "auto" for a head beside a target running from its blocks
 
 
 def resolve_draft_quantization(
@@ -31,6 +34,8 @@ def resolve_draft_quantization(
     Q5_0 tensors requantized to Q4_0, models/requantize.py), a dense scheme refused."""
     if value in (None, "none"):
         return None
+    if not draft_model and (value in BLOCK_SCHEMES or (value == "auto" and draft.from_blocks)):
+        return head_block_scheme(value, draft)
     if value == REQUANTIZE_SCHEME and not (draft_model and draft.from_blocks):
         raise UnderstudyError(
             f"draft_quantization={REQUANTIZE_SCHEME!r} requantizes a draft model's GGUF blocks, "
@@ -58,8 +63,23 @@ def resolve_draft_quantization(
         return DEFAULT_CPU_DRAFT_QUANTIZATION if draft.model.device.type == "cpu" else None
     if value not in SCHEMES:
         raise UnderstudyError(
-            f"draft_quantization must be auto, none, {REQUANTIZE_SCHEME} or one of "
+            f"draft_quantization must be auto, none, {', '.join(BLOCK_SCHEMES)} or one of "
             f"{', '.join(SCHEMES)}; got {value!r}"
+        )
+    return value
+
+
+def head_block_scheme(value: str, target: LoadedModel) -> str | None:
+    """A head's linears in GGUF blocks (models/block_linears.py): "auto" -> HEAD_BLOCKS_SCHEME
+    beside a target that runs from its blocks, where qgemm builds (else the dense default);
+    q8_0 / q4_0 as asked, on a CPU with qgemm, else refused."""
+    usable = target.model.device.type == "cpu" and qgemm.available()
+    if value == "auto":
+        return HEAD_BLOCKS_SCHEME if usable else DEFAULT_CPU_DRAFT_QUANTIZATION
+    if not usable:
+        raise UnderstudyError(
+            f"draft_quantization={value!r} runs a head's linears on our GGUF-block kernels, "
+            "which need a CPU where they build; use auto, none or an int8/int4 scheme"
         )
     return value
 

@@ -142,8 +142,9 @@ class Engine:
     ) -> Engine:
         """Load the models and build a ready engine (engine/builder.py). `drafter_options`
         go to the drafter's `from_models` (e.g. prompt_lookup_max for method="ngram").
-        `draft_quantization`: "auto", None, a scheme of models/quant.py or "q4_0" for a GGUF
-        draft (engine/draft_setup.py); none of them can change the output.
+        `draft_quantization`: "auto", None, a scheme of models/quant.py, "q4_0" for a GGUF
+        draft, or "q8_0" / "q4_0" for eagle's head in GGUF blocks (engine/draft_setup.py);
+        none of them can change the output.
         `quantization`: "auto" (a GGUF runs from its own blocks on a CPU), "gguf" or "none"
         (dense, in `dtype`). `max_num_seqs`: sequences decoded together (seats), or "auto"."""
         from understudy.engine.builder import EngineSpec, assemble, load_models
