@@ -63,8 +63,9 @@ def resolve_draft_quantization(
         return DEFAULT_CPU_DRAFT_QUANTIZATION if draft.model.device.type == "cpu" else None
     if value not in SCHEMES:
         raise UnderstudyError(
-            f"draft_quantization must be auto, none, {', '.join(BLOCK_SCHEMES)} or one of "
-            f"{', '.join(SCHEMES)}; got {value!r}"
+            f"draft_quantization must be auto, none, {REQUANTIZE_SCHEME} (a GGUF draft), "
+            f"{' or '.join(BLOCK_SCHEMES)} (eagle's head) or one of {', '.join(SCHEMES)}; "
+            f"got {value!r}"
         )
     return value
 
