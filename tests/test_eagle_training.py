@@ -7,6 +7,7 @@ line. What the engine does with a trained head: test_eagle.py.
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -119,6 +120,24 @@ def test_saved_files_and_resume(trained, tiny_pair):
     assert [p.stat().st_mtime_ns for p in shards] == stamps
     assert again["train_seconds"] == meta["train_seconds"]  # resumed at the last step
     assert again["val_agree"] == meta["val_agree"]
+
+
+def test_a_run_from_another_head_starts_afresh(trained, tmp_path):
+    """The finished checkpoint is of a run from scratch: the same settings from --init (a
+    trained head) train anew instead of resuming it, on the cached features."""
+    target, folder, meta = trained
+    copy = tmp_path / "again"
+    shutil.copytree(folder, copy)
+    sequences = target_written_text(target, 40, seed=0, temperature=0.0)
+    again = train_head(
+        load_model(target, "float32"), sequences, copy, "test", SETTINGS, False, init=folder
+    )
+    # a resumed finished run writes no checkpoint: this one is the new run's, to its end
+    saved = torch.load(copy / "checkpoint.pt", weights_only=False)
+    assert saved["run"]["start"] == str(folder.resolve())
+    assert saved["step"] == again["history"][-1]["step"] and len(again["history"]) == len(
+        meta["history"]
+    )
 
 
 def test_inference_sees_what_training_saw(trained):

@@ -202,7 +202,8 @@ def train_head(
     else:
         head = new_head(target, settings, layers, train_part)
     coverage = float(torch.isin(val_part["argmax"].long(), head.vocab).float().mean())
-    facts = train(head, train_part, val_part, settings.train, folder, progress)
+    start = "fresh" if init is None else str(init.resolve())
+    facts = train(head, train_part, val_part, settings.train, folder, progress, start)
     seq_len = len(sequences[0]) if sequences else settings.self_len
     meta = {
         "target": target.name,

@@ -194,14 +194,21 @@ class Progress:
 
 
 def resume(
-    head: EagleHead, optimizer: torch.optim.Optimizer, cfg: TrainConfig, path: Path
+    head: EagleHead,
+    optimizer: torch.optim.Optimizer,
+    cfg: TrainConfig,
+    path: Path,
+    run: dict[str, object] | None = None,
 ) -> Progress:
     """The progress of the checkpoint at `path` (head and optimizer restored) where it was
-    written under the same config; a fresh start otherwise."""
+    written under the same config and for the same `run` (what else makes a run itself: its
+    text's size and the head it started from, so that a run over more text, or from
+    another head, starts afresh rather than continue a finished one); a fresh start
+    otherwise."""
     if not path.exists():
         return Progress()
     saved = torch.load(path, weights_only=False)
-    if saved["config"] != asdict(cfg):
+    if saved["config"] != asdict(cfg) or saved.get("run", {}) != (run or {}):
         return Progress()
     head.load_state_dict(saved["head"])
     optimizer.load_state_dict(saved["optimizer"])
@@ -209,7 +216,12 @@ def resume(
 
 
 def save_checkpoint(
-    head: EagleHead, optimizer: torch.optim.Optimizer, cfg: TrainConfig, done: Progress, path: Path
+    head: EagleHead,
+    optimizer: torch.optim.Optimizer,
+    cfg: TrainConfig,
+    done: Progress,
+    path: Path,
+    run: dict[str, object] | None = None,
 ) -> None:
     """Write the checkpoint whole or not at all (a temporary file, renamed)."""
     state = {
@@ -219,6 +231,7 @@ def save_checkpoint(
         "history": done.history,
         "seconds": done.seconds,
         "config": asdict(cfg),
+        "run": run or {},
     }
     torch.save(state, path.with_suffix(".tmp"))
     path.with_suffix(".tmp").rename(path)
@@ -249,9 +262,12 @@ def train(
     cfg: TrainConfig,
     folder: Path,
     progress: bool = True,
+    start: str = "fresh",
 ) -> dict[str, object]:
     """Train `head` in place; returns the facts worth keeping (config, losses, agreement).
-    Resumes from the folder's checkpoint, written every cfg.checkpoint_every steps."""
+    Resumes from the folder's checkpoint, written every cfg.checkpoint_every steps, where it
+    is of this run: the same config, as many training sequences, the same `start` (the
+    --init head's folder, or "fresh")."""
     torch.manual_seed(cfg.seed)
     folder.mkdir(parents=True, exist_ok=True)
     n = train_data["tokens"].shape[0]
@@ -261,7 +277,8 @@ def train(
     params = [p for p in head.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
     checkpoint = folder / CHECKPOINT
-    done = resume(head, optimizer, cfg, checkpoint)
+    run: dict[str, object] = {"sequences": n, "start": start}
+    done = resume(head, optimizer, cfg, checkpoint, run)
     history = done.history
     head.train()
     bar = tqdm(
@@ -294,7 +311,7 @@ def train(
             )
             bar.write(f"epoch {done.step // steps_per_epoch}: held-out agreement per step {val}")
         if end_of_epoch or done.step % cfg.checkpoint_every == 0:
-            save_checkpoint(head, optimizer, cfg, done, checkpoint)
+            save_checkpoint(head, optimizer, cfg, done, checkpoint, run)
     bar.close()
     head.eval()
     spent = done.seconds
