@@ -28,6 +28,20 @@ AI2 __m256i pair_scale(__m256i pair, int k) {
              : _mm256_shufflehi_epi16(_mm256_shufflelo_epi16(pair, 0xa0), 0xa0);
 }
 
+/* Q4_K's and Q5_K's scales and mins (K6) of sub-blocks 2p and 2p + 1 in columns
+ * 8h..8h+7, as the 16-bit pairs of each column's dword (low word: sub-block 2p), from their
+ * low nibbles at L->sc and their top bits at L->mn */
+AI2 void k6_pairs2(const layout_t *L, const uint8_t *blk, const int p, const int h, __m256i *sc,
+                   __m256i *mn) {
+    const __m256i nib = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)(blk + L->sc + 32 * p + 16 * h)));
+    __m256i top = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)(blk + L->mn + 32 * (p / 2) + 16 * h)));
+    top = _mm256_srli_epi16(top, 4 * (p % 2)); /* this pair's nibble: sc's top at 0, mn's at 2 */
+    *sc = _mm256_or_si256(_mm256_and_si256(nib, _mm256_set1_epi16(0xf)),
+                          _mm256_slli_epi16(_mm256_and_si256(top, _mm256_set1_epi16(0x3)), 4));
+    *mn = _mm256_or_si256(_mm256_srli_epi16(nib, 4),
+                          _mm256_slli_epi16(_mm256_and_si256(top, _mm256_set1_epi16(0xc)), 2));
+}
+
 /* sum_e sc * (w[e] . a[4e..4e+3]) over n signed w (|w| in u, w's sign given to a) */
 AI2 __m256i signed_dot(const __m256i *u, const __m256i *w, const int8_t *a, __m256i sc, int n) {
     __m256i t = _mm256_madd_epi16(_mm256_maddubs_epi16(u[0], _mm256_sign_epi8(four2(a), w[0])), sc);
@@ -44,7 +58,7 @@ AI2 void k32_half(const int type, const uint8_t *pk, const uint8_t *next, long n
     const layout_t *L = &LAYOUTS[type];
     const __m256i low = _mm256_set1_epi8(0xf);
     const uint8_t *blk = pk + b * L->bytes;
-    __m256i isum[GROUP2], jsum[GROUP2];
+    __m256i isum[GROUP2], jsum[GROUP2], mn[4], pair = _mm256_setzero_si256();
     for (int r = 0; r < R; ++r) isum[r] = jsum[r] = _mm256_setzero_si256();
     for (int j = 0; j < 8; ++j) {
         fetch_next_part(next, L->bytes, h * nb + b, j, 8);
@@ -66,8 +80,8 @@ AI2 void k32_half(const int type, const uint8_t *pk, const uint8_t *next, long n
             }
             sc = pair_scale(_mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(blk + L->sc + 32 * (j / 2) + 16 * h))), j % 2);
         } else {
-            sc = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(blk + L->sc + 16 * j + 8 * h)));
-            sc = _mm256_or_si256(sc, _mm256_slli_epi32(sc, 16)); /* in both words of a dword */
+            if (j % 2 == 0) k6_pairs2(L, blk, j / 2, h, &pair, &mn[j / 2]);
+            sc = pair_scale(pair, j % 2); /* in both words of a dword */
         }
         for (int r = 0; r < R; ++r) {
             const int8_t *a = A->q + (m0 + r) * A->K + 256 * b + 32 * j;
@@ -92,11 +106,10 @@ AI2 void k32_half(const int type, const uint8_t *pk, const uint8_t *next, long n
         return;
     }
     const __m256 dmin = halfs8(blk + L->dm + 16 * h);
-    for (int p = 0; p < 4; ++p) {
-        __m256i mn = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)(blk + L->mn + 32 * p + 16 * h)));
+    for (int p = 0; p < 4; ++p) { /* dword c: the mins of sub-blocks 2p and 2p + 1 */
         for (int r = 0; r < R; ++r) {
             const int16_t *s32 = A->s32 + (m0 + r) * (A->K / 32) + 8 * b + 2 * p;
-            jsum[r] = _mm256_add_epi32(jsum[r], _mm256_madd_epi16(mn, four2(s32)));
+            jsum[r] = _mm256_add_epi32(jsum[r], _mm256_madd_epi16(mn[p], four2(s32)));
         }
     }
     for (int r = 0; r < R; ++r) {

@@ -127,37 +127,49 @@ AI __m512i fifth_bit(__m512i hb, const int e) {
     return _mm512_and_si512(moved, at4); /* a 16-bit shift: bit 4 of each byte is its own */
 }
 
+/* Q4_K's and Q5_K's scales and mins (K6) of sub-blocks 2p and 2p + 1, as the 16-bit pairs of
+ * each column's dword (low word: sub-block 2p), from their low nibbles at L->sc and their
+ * top bits at L->mn */
+AI void k6_pairs(const layout_t *L, const uint8_t *blk, const int p, __m512i *sc, __m512i *mn) {
+    const __m512i nib = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *)(blk + L->sc + 32 * p)));
+    __m512i top = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *)(blk + L->mn + 32 * (p / 2))));
+    top = _mm512_srli_epi16(top, 4 * (p % 2)); /* this pair's nibble: sc's top at 0, mn's at 2 */
+    *sc = _mm512_or_si512(_mm512_and_si512(nib, _mm512_set1_epi16(0xf)),
+                          _mm512_slli_epi16(_mm512_and_si512(top, _mm512_set1_epi16(0x3)), 4));
+    *mn = _mm512_or_si512(_mm512_srli_epi16(nib, 4),
+                          _mm512_slli_epi16(_mm512_and_si512(top, _mm512_set1_epi16(0xc)), 2));
+}
+
 /* Q4_K and Q5_K (five = 0, 1): 8 sub-blocks of 32 values, unsigned 6-bit scales and mins
  * (jsum: the mins times the rows' sums per 32 values); Q5_K's fifth bits join the nibbles */
 AI void q4_k_block(const int five, const uint8_t *blk, const uint8_t *next, long b,
                    const acts_t *A, long m0, const int R, __m512 *f) {
+    const layout_t *L = &LAYOUTS[five ? T_Q5_K : T_Q4_K];
     const __m512i low = _mm512_set1_epi8(0xf);
-    __m512i isum[GROUP];
+    __m512i isum[GROUP], mn[4], pair = _mm512_setzero_si512();
     for (int r = 0; r < R; ++r) isum[r] = _mm512_setzero_si512();
     for (int j = 0; j < 8; ++j) {
-        if (next) fetch_part(next, five ? 2880 : 2368, j, 8);
+        if (next) fetch_part(next, L->bytes, j, 8);
         __m512i w[8];
         for (int l = 0; l < 4; ++l) {
-            __m512i v = _mm512_loadu_si512((const void *)(blk + 320 + 64 * (4 * j + l)));
+            __m512i v = _mm512_loadu_si512((const void *)(blk + L->lo + 64 * (4 * j + l)));
             w[2 * l] = _mm512_and_si512(v, low);
             w[2 * l + 1] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
         }
         if (five) { /* value 32j + 4e + i's fifth bit: bit e of its column's byte */
-            const __m512i hb = _mm512_loadu_si512((const void *)(blk + 2368 + 64 * j));
+            const __m512i hb = _mm512_loadu_si512((const void *)(blk + L->hi + 64 * j));
             for (int e = 0; e < 8; ++e) w[e] = _mm512_or_si512(w[e], fifth_bit(hb, e));
         }
-        __m512i sc = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(blk + 64 + 16 * j)));
+        if (j % 2 == 0) k6_pairs(L, blk, j / 2, &pair, &mn[j / 2]);
+        __m512i sc = j % 2 ? _mm512_srli_epi32(pair, 16) : _mm512_and_si512(pair, _mm512_set1_epi32(0xffff));
         dots(w, 8, A->q + m0 * A->K + 256 * b + 32 * j, A->K, R, &sc, isum);
     }
     const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)blk));
-    const __m512 dmin = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(blk + 32)));
-    __m512i mn[4]; /* dword c: the mins of sub-blocks 2p (low word) and 2p + 1 of column c */
-    for (int p = 0; p < 4; ++p)
-        mn[p] = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *)(blk + 192 + 32 * p)));
+    const __m512 dmin = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(blk + L->dm)));
     for (int r = 0; r < R; ++r) {
         const int16_t *s32 = A->s32 + (m0 + r) * (A->K / 32) + 8 * b;
         __m512i jsum = _mm512_setzero_si512();
-        for (int p = 0; p < 4; ++p)
+        for (int p = 0; p < 4; ++p) /* dword c: the mins of sub-blocks 2p and 2p + 1 */
             jsum = _mm512_dpwssd_epi32(jsum, mn[p], four((const int8_t *)(s32 + 2 * p)));
         const __m512 s = _mm512_set1_ps(A->s[(m0 + r) * A->nb + b]);
         f[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum[r]), _mm512_mul_ps(s, d), f[r]);

@@ -50,13 +50,16 @@ static const int8_t KVALUES[16] = {-127, -104, -83, -65, -49, -35, -22, -10,
  *     e % 32 / 4 (a 16-bit shift brings any bit of every byte to the one its low part
  *     lacks); QUAD, two bits, as the quads; MASK (Q5_0's, in the AVX-512 build), group
  *     e / 4 of 8 bytes: bit 4c + i of its 64.
- * Sub-block scales: U8 [subs][16]: sc[j] of column c at sc + 16j + c; PAIRS [subs / 2][16][2]
- * (int8): at sc + 32 (j / 2) + 2c + j % 2, the scales of sub-blocks 2p and 2p + 1 in one
- * 16-bit pair (so one vpmaddwd weighs a row's two sub-block sums); NIBBLES: as PAIRS, sc
- * in the low nibble and mn in the high one (Q2_K's). Mins: PAIRS (u8) at mn; NIBBLES; ONE
- * (mn = -1: Q4_1, Q5_1, whose dm is m). */
-enum { SC_ONE, SC_U8, SC_PAIRS, SC_NIBBLES };
-enum { MN_NONE, MN_PAIRS, MN_NIBBLES, MN_ONE };
+ * Sub-block scales: PAIRS [subs / 2][16][2] (int8): at sc + 32 (j / 2) + 2c + j % 2, the
+ * scales of sub-blocks 2p and 2p + 1 in one 16-bit pair (so one vpmaddwd weighs a row's two
+ * sub-block sums); NIBBLES: as PAIRS, sc in the low nibble and mn in the high one (Q2_K's);
+ * K6 (Q4_K's and Q5_K's 6-bit scales and mins, 12 bytes a column, as many as the file's):
+ * their low 4 bits as NIBBLES at sc, their top 2 bits at mn, sc's at bits 0-1 and mn's at
+ * bits 2-3 of a nibble of byte mn + 32 (j / 4) + 2c + j % 2, the low nibble for sub-blocks
+ * 4q + h, the high one for 4q + 2 + h (a pair of sub-blocks reads one 16-bit pair there as
+ * at sc). Mins: NIBBLES; K6; ONE (mn = -1: Q4_1, Q5_1, whose dm is m). */
+enum { SC_ONE, SC_PAIRS, SC_NIBBLES, SC_K6 };
+enum { MN_NONE, MN_NIBBLES, MN_ONE, MN_K6 };
 enum { HI_NONE, HI_BITS, HI_QUAD, HI_MASK };
 
 typedef struct {
@@ -84,8 +87,8 @@ static const layout_t LAYOUTS[T_COUNT] = {
     [T_IQ4_NL] = {32, 32, 18, 288, 0, 0, SC_ONE, 0, MN_NONE, 32, 4, 0, HI_NONE, 0, 1},
     [T_Q2_K] = {256, 16, 84, 1344, 32, 64, SC_NIBBLES, 64, MN_NIBBLES, 320, 2, 0, HI_NONE, 0, 0},
     [T_Q3_K] = {256, 16, 110, 1824, 0, 32, SC_PAIRS, 0, MN_NONE, 288, 2, 1312, HI_BITS, 4, 0},
-    [T_Q4_K] = {256, 32, 144, 2368, 32, 64, SC_U8, 192, MN_PAIRS, 320, 4, 0, HI_NONE, 0, 0},
-    [T_Q5_K] = {256, 32, 176, 2880, 32, 64, SC_U8, 192, MN_PAIRS, 320, 4, 2368, HI_BITS, 0, 0},
+    [T_Q4_K] = {256, 32, 144, 2304, 32, 64, SC_K6, 192, MN_K6, 256, 4, 0, HI_NONE, 0, 0},
+    [T_Q5_K] = {256, 32, 176, 2816, 32, 64, SC_K6, 192, MN_K6, 256, 4, 2304, HI_BITS, 0, 0},
     [T_Q6_K] = {256, 16, 210, 3360, 0, 32, SC_PAIRS, 0, MN_NONE, 288, 4, 2336, HI_QUAD, 32, 0},
     [T_IQ4_XS] = {256, 32, 136, 2208, 0, 32, SC_PAIRS, 0, MN_NONE, 160, 4, 0, HI_NONE, 0, 1},
 };
@@ -239,6 +242,12 @@ AIB long hi_at(int form, int c, int e, int *shift) {
 
 AIB long pair_at(int c, int j) { return 32 * (j / 2) + 2 * c + j % 2; }
 
+/* K6: the byte (from mn) of column c's sub-block j's top bits, and their nibble's shift */
+AIB long k6_top_at(int c, int j, int *shift) {
+    *shift = 4 * (j / 2 % 2);
+    return 32 * (j / 4) + 2 * c + j % 2;
+}
+
 /* codes q[c][e] (16 columns, `values` each) into their parts: the low `bits` of each at
  * low, the bits above them at high in `form` (the layout comment); each byte composed from
  * its values (packing runs once a load, over every weight of the model) */
@@ -290,10 +299,13 @@ AIB void pack_block_typed(const int type, const uint8_t *const blk[PANEL], uint8
         memcpy(out + 2 * c, &u.d, 2);
         if (L->dm) memcpy(out + L->dm + 2 * c, &u.dm, 2);
         for (int j = 0; j < subs; ++j) {
-            if (L->sc_form == SC_U8) out[L->sc + 16 * j + c] = (uint8_t)u.sc[j];
             if (L->sc_form == SC_PAIRS) out[L->sc + pair_at(c, j)] = (uint8_t)u.sc[j];
             if (L->sc_form == SC_NIBBLES) out[L->sc + pair_at(c, j)] = (uint8_t)(u.sc[j] | (u.mn[j] << 4));
-            if (L->mn_form == MN_PAIRS) out[L->mn + pair_at(c, j)] = (uint8_t)u.mn[j];
+            if (L->sc_form == SC_K6) {
+                int shift;
+                out[L->sc + pair_at(c, j)] = (uint8_t)((u.sc[j] & 0xf) | ((u.mn[j] & 0xf) << 4));
+                out[L->mn + k6_top_at(c, j, &shift)] |= (uint8_t)(((u.sc[j] >> 4) | ((u.mn[j] >> 4) << 2)) << shift);
+            }
         }
     }
     pack_codes(q, L->values, L->lo_bits, L->hi_form, out + L->lo, out + L->hi);
@@ -328,11 +340,13 @@ QG_UNUSED_IN_SIMD static void panel_decode(int type, const uint8_t *blk, panel_b
         for (int j = 0; j < subs; ++j) {
             const long p = pair_at(c, j);
             const int form = L->sc_form;
-            P->sc[j][c] = form == SC_U8 ? blk[L->sc + 16 * j + c]
-                          : form == SC_PAIRS ? (int8_t)blk[L->sc + p]
-                          : form == SC_NIBBLES ? blk[L->sc + p] & 0xf : 1;
-            P->mn[j][c] = L->mn_form == MN_PAIRS ? blk[L->mn + p]
-                          : L->mn_form == MN_NIBBLES ? blk[L->sc + p] >> 4
+            int shift = 0;
+            const int top = form == SC_K6 ? blk[L->mn + k6_top_at(c, j, &shift)] >> shift : 0;
+            P->sc[j][c] = form == SC_PAIRS ? (int8_t)blk[L->sc + p]
+                          : form == SC_NIBBLES ? blk[L->sc + p] & 0xf
+                          : form == SC_K6 ? (blk[L->sc + p] & 0xf) | ((top & 3) << 4) : 1;
+            P->mn[j][c] = L->mn_form == MN_NIBBLES ? blk[L->sc + p] >> 4
+                          : L->mn_form == MN_K6 ? (blk[L->sc + p] >> 4) | ((top >> 2 & 3) << 4)
                           : L->mn_form == MN_ONE ? -1 : 0;
         }
     }
