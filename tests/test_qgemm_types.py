@@ -232,3 +232,17 @@ def test_every_instruction_set_gives_the_same_bits(build: str) -> None:
             xs = torch.randn(11, cols) * torch.logspace(-2, 1, 11)[:, None]
             for m in (1, 3, 8, 11):
                 assert torch.equal(theirs(xs[:m]), linear(xs[:m])), (weight.kind.name, cols, m)
+
+
+@pytest.mark.parametrize(
+    "kind", sorted(qgemm.KERNEL_TYPES - set(FLOAT_TYPES), key=int), ids=lambda k: k.name
+)
+def test_panels_hold_the_files_bytes(kind: GGMLQuantizationType) -> None:
+    """A one-row pass streams the panels, so repacking adds no byte: 16 columns' panel-block
+    is 16 of the file's blocks (6-bit scales stay 6 bits), on every instruction set's
+    build."""
+    block, size = GGML_QUANT_SIZES[kind]
+    for build in sorted(PORTABLE_BUILDS) + ["native"]:
+        lib = qgemm.load() if build == "native" else qgemm.load(PORTABLE_BUILDS[build])
+        assert lib is not None
+        assert lib.understudy_qpack_bytes(int(kind), 4 * block, 32) == 32 * 4 * size, build

@@ -13,8 +13,8 @@ Q5_0, Q5_1, Q4_0, Q4_1 and IQ4_NL (32); F16 and BF16, multiplied in float32 in o
 order (no activation quantization). A tensor of another type (F32, the IQ2/IQ3 families) is
 dequantized to float32 once, at load, and runs through rowgemm (also row-invariant).
 Each kernel tensor is repacked once, at load, into the kernel's panels of 16 columns (`pack`:
-the file's bytes, but for Q3_K's and IQ4_XS's scales, 2-4% more, as a one-row pass streams
-them); the GGUF rows stay mapped for `weight_rows`, their pages released.
+the file's bytes, rearranged, so a one-row pass streams no more than the file holds); the GGUF
+rows stay mapped for `weight_rows`, their pages released.
 
 The C source is compiled once per machine (kernels/build.py); `load()` is None where that
 fails, and the engine then runs the model dense.

@@ -30,16 +30,26 @@ AI2 __m256i pair_scale(__m256i pair, int k) {
 
 /* Q4_K's and Q5_K's scales and mins (K6) of sub-blocks 2p and 2p + 1 in columns
  * 8h..8h+7, as the 16-bit pairs of each column's dword (low word: sub-block 2p), from their
- * low nibbles at L->sc and their top bits at L->mn */
+ * low nibbles at L->sc and their top bits at L->top */
 AI2 void k6_pairs2(const layout_t *L, const uint8_t *blk, const int p, const int h, __m256i *sc,
                    __m256i *mn) {
     const __m256i nib = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)(blk + L->sc + 32 * p + 16 * h)));
-    __m256i top = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)(blk + L->mn + 32 * (p / 2) + 16 * h)));
+    __m256i top = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)(blk + L->top + 32 * (p / 2) + 16 * h)));
     top = _mm256_srli_epi16(top, 4 * (p % 2)); /* this pair's nibble: sc's top at 0, mn's at 2 */
     *sc = _mm256_or_si256(_mm256_and_si256(nib, _mm256_set1_epi16(0xf)),
                           _mm256_slli_epi16(_mm256_and_si256(top, _mm256_set1_epi16(0x3)), 4));
     *mn = _mm256_or_si256(_mm256_srli_epi16(nib, 4),
                           _mm256_slli_epi16(_mm256_and_si256(top, _mm256_set1_epi16(0xc)), 2));
+}
+
+/* Q3_K's and IQ4_XS's signed 6-bit scales (S6) of sub-blocks 2p and 2p + 1 in columns
+ * 8h..8h+7, as the signed 16-bit pairs of each column's dword (low word: sub-block 2p) */
+AI2 __m256i s6_pair2(const layout_t *L, const uint8_t *blk, const int p, const int h) {
+    __m256i low = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)(blk + L->sc + 32 * (p / 2) + 16 * h)));
+    __m256i top = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)(blk + L->top + 32 * (p / 4) + 16 * h)));
+    low = _mm256_and_si256(_mm256_srli_epi16(low, 4 * (p % 2)), _mm256_set1_epi16(0xf));
+    top = _mm256_and_si256(_mm256_srli_epi16(top, 2 * (p % 4)), _mm256_set1_epi16(0x3));
+    return _mm256_sub_epi16(_mm256_or_si256(low, _mm256_slli_epi16(top, 4)), _mm256_set1_epi16(32));
 }
 
 /* sum_e sc * (w[e] . a[4e..4e+3]) over n signed w (|w| in u, w's sign given to a) */
@@ -78,7 +88,7 @@ AI2 void k32_half(const int type, const uint8_t *pk, const uint8_t *next, long n
                 w[e] = _mm256_shuffle_epi8(table, w[e]);
                 u[e] = _mm256_abs_epi8(w[e]);
             }
-            sc = pair_scale(_mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(blk + L->sc + 32 * (j / 2) + 16 * h))), j % 2);
+            sc = pair_scale(s6_pair2(L, blk, j / 2, h), j % 2);
         } else {
             if (j % 2 == 0) k6_pairs2(L, blk, j / 2, h, &pair, &mn[j / 2]);
             sc = pair_scale(pair, j % 2); /* in both words of a dword */
@@ -163,14 +173,16 @@ AI2 void k16_half(const int type, const uint8_t *pk, const uint8_t *next, long n
         fetch_next_part(next, L->bytes, h * nb + b, p, 8);
         /* dword c: the scales of sub-blocks 2p (low word) and 2p + 1 (high word), and the
          * weights of the rows' sums per 16 (Q6_K, Q3_K: the scales; Q2_K: the mins) */
-        const __m128i raw = _mm_loadu_si128((const __m128i *)(blk + L->sc + 32 * p + 16 * h));
+        const __m128i *raw = (const __m128i *)(blk + L->sc + 32 * p + 16 * h); /* Q2_K, Q6_K */
         __m256i pair, mins;
         if (type == T_Q2_K) {
-            const __m256i both = _mm256_cvtepu8_epi16(raw);
+            const __m256i both = _mm256_cvtepu8_epi16(_mm_loadu_si128(raw));
             pair = _mm256_and_si256(both, _mm256_set1_epi16(0xf));
             mins = _mm256_srli_epi16(both, 4);
+        } else if (type == T_Q3_K) {
+            pair = mins = s6_pair2(L, blk, p, h);
         } else {
-            pair = mins = _mm256_cvtepi8_epi16(raw);
+            pair = mins = _mm256_cvtepi8_epi16(_mm_loadu_si128(raw));
         }
         for (int k = 0; k < 2; ++k) {
             const int j = 2 * p + k;

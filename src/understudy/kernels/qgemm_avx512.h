@@ -129,15 +129,25 @@ AI __m512i fifth_bit(__m512i hb, const int e) {
 
 /* Q4_K's and Q5_K's scales and mins (K6) of sub-blocks 2p and 2p + 1, as the 16-bit pairs of
  * each column's dword (low word: sub-block 2p), from their low nibbles at L->sc and their
- * top bits at L->mn */
+ * top bits at L->top */
 AI void k6_pairs(const layout_t *L, const uint8_t *blk, const int p, __m512i *sc, __m512i *mn) {
     const __m512i nib = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *)(blk + L->sc + 32 * p)));
-    __m512i top = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *)(blk + L->mn + 32 * (p / 2))));
+    __m512i top = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *)(blk + L->top + 32 * (p / 2))));
     top = _mm512_srli_epi16(top, 4 * (p % 2)); /* this pair's nibble: sc's top at 0, mn's at 2 */
     *sc = _mm512_or_si512(_mm512_and_si512(nib, _mm512_set1_epi16(0xf)),
                           _mm512_slli_epi16(_mm512_and_si512(top, _mm512_set1_epi16(0x3)), 4));
     *mn = _mm512_or_si512(_mm512_srli_epi16(nib, 4),
                           _mm512_slli_epi16(_mm512_and_si512(top, _mm512_set1_epi16(0xc)), 2));
+}
+
+/* Q3_K's and IQ4_XS's signed 6-bit scales (S6) of sub-blocks 2p and 2p + 1, as the signed
+ * 16-bit pairs of each column's dword (low word: sub-block 2p) */
+AI __m512i s6_pair(const layout_t *L, const uint8_t *blk, const int p) {
+    __m512i low = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *)(blk + L->sc + 32 * (p / 2))));
+    __m512i top = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *)(blk + L->top + 32 * (p / 4))));
+    low = _mm512_and_si512(_mm512_srli_epi16(low, 4 * (p % 2)), _mm512_set1_epi16(0xf));
+    top = _mm512_and_si512(_mm512_srli_epi16(top, 2 * (p % 4)), _mm512_set1_epi16(0x3));
+    return _mm512_sub_epi16(_mm512_or_si512(low, _mm512_slli_epi16(top, 4)), _mm512_set1_epi16(32));
 }
 
 /* Q4_K and Q5_K (five = 0, 1): 8 sub-blocks of 32 values, unsigned 6-bit scales and mins
@@ -194,21 +204,23 @@ AI __m512i third_bit(__m512i hb, const int e) {
  * vpdpwssd (for one row, jsum apart) */
 AI void k16_block(const int three, const uint8_t *blk, const uint8_t *next, long b,
                   const acts_t *A, long m0, const int R, __m512 *f) {
+    const layout_t *L = &LAYOUTS[three ? T_Q3_K : T_Q6_K];
     const __m512i m33 = _mm512_set1_epi8(0x33), mcc = _mm512_set1_epi8((char)0xcc);
     const int shift = three ? 2 : 5; /* the offset, 4 or 32, as a shift */
     __m512i isum[GROUP], jsum = _mm512_setzero_si512();
     for (int r = 0; r < R; ++r) isum[r] = _mm512_setzero_si512();
     for (int p = 0; p < 8; ++p) {
         /* dword c: the scales of sub-blocks 2p (low word) and 2p + 1 (high word) */
-        __m512i pair = _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i *)(blk + 32 + 32 * p)));
+        __m512i pair = three ? s6_pair(L, blk, p)
+                             : _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i *)(blk + L->sc + 32 * p)));
         for (int h = 0; h < 2; ++h) {
             const int j = 2 * p + h;
-            if (next) fetch_part(next, three ? 1824 : 3360, j, 16);
+            if (next) fetch_part(next, L->bytes, j, 16);
             __m512i sc = h ? _mm512_srai_epi32(pair, 16)
                            : _mm512_srai_epi32(_mm512_slli_epi32(pair, 16), 16);
             if (three) { /* the low 2 bits at 2e; the third bits: group j / 2, bit 4h + e */
-                __m512i v = _mm512_loadu_si512((const void *)(blk + 288 + 64 * j));
-                __m512i hb = _mm512_loadu_si512((const void *)(blk + 1312 + 64 * p));
+                __m512i v = _mm512_loadu_si512((const void *)(blk + L->lo + 64 * j));
+                __m512i hb = _mm512_loadu_si512((const void *)(blk + L->hi + 64 * p));
                 __m512i w[4];
                 for (int e = 0; e < 4; ++e)
                     w[e] = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(v, 2 * e),
@@ -217,9 +229,9 @@ AI void k16_block(const int three, const uint8_t *blk, const uint8_t *next, long
                 dots(w, 4, A->q + m0 * A->K + 256 * b + 16 * j, A->K, R, &sc, isum);
                 continue;
             }
-            __m512i v0 = _mm512_loadu_si512((const void *)(blk + 288 + 128 * j));
-            __m512i v1 = _mm512_loadu_si512((const void *)(blk + 288 + 128 * j + 64));
-            __m512i hb = _mm512_loadu_si512((const void *)(blk + 2336 + 64 * j));
+            __m512i v0 = _mm512_loadu_si512((const void *)(blk + L->lo + 128 * j));
+            __m512i v1 = _mm512_loadu_si512((const void *)(blk + L->lo + 128 * j + 64));
+            __m512i hb = _mm512_loadu_si512((const void *)(blk + L->hi + 64 * j));
             /* each byte: bits 0-3 from the low nibbles, 4-5 from the top bits, 6-7 zero; hb's
              * bits 0-1, 4-5 and 2-3, 6-7 apart, so every shift below brings only zeros or
              * bits that the select drops (bits 0-3) next to the wanted two */
@@ -304,19 +316,20 @@ AI void iq4_pair(const uint8_t *lo, const int g, const __m512i table, __m512i *i
  * 32 values), its -128 * scale * sum terms added by vpdpwssd */
 AI void iq4_xs_block(const uint8_t *blk, const uint8_t *next, long b, const acts_t *A, long m0,
                      const int R, __m512 *f) {
+    const layout_t *L = &LAYOUTS[T_IQ4_XS];
     const __m512i table = iq4_table();
     __m512i isum[GROUP];
     for (int r = 0; r < R; ++r) isum[r] = _mm512_setzero_si512();
     for (int p = 0; p < 4; ++p) {
         /* dword c: the scales of sub-blocks 2p (low word) and 2p + 1 (high word) */
-        __m512i pair = _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i *)(blk + 32 + 32 * p)));
+        __m512i pair = s6_pair(L, blk, p);
         for (int h = 0; h < 2; ++h) {
             const int j = 2 * p + h;
-            if (next) fetch_part(next, 2208, j, 8);
+            if (next) fetch_part(next, L->bytes, j, 8);
             __m512i sc = h ? _mm512_srai_epi32(pair, 16)
                            : _mm512_srai_epi32(_mm512_slli_epi32(pair, 16), 16);
             __m512i w[8];
-            for (int l = 0; l < 4; ++l) iq4_pair(blk + 160, 4 * j + l, table, w + 2 * l);
+            for (int l = 0; l < 4; ++l) iq4_pair(blk + L->lo, 4 * j + l, table, w + 2 * l);
             dots(w, 8, A->q + m0 * A->K + 256 * b + 32 * j, A->K, R, &sc, isum);
         }
         /* -128 x the scales (|scale| <= 32): |value| <= 4096, an int16 */

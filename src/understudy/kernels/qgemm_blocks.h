@@ -54,11 +54,14 @@ static const int8_t KVALUES[16] = {-127, -104, -83, -65, -49, -35, -22, -10,
  * scales of sub-blocks 2p and 2p + 1 in one 16-bit pair (so one vpmaddwd weighs a row's two
  * sub-block sums); NIBBLES: as PAIRS, sc in the low nibble and mn in the high one (Q2_K's);
  * K6 (Q4_K's and Q5_K's 6-bit scales and mins, 12 bytes a column, as many as the file's):
- * their low 4 bits as NIBBLES at sc, their top 2 bits at mn, sc's at bits 0-1 and mn's at
- * bits 2-3 of a nibble of byte mn + 32 (j / 4) + 2c + j % 2, the low nibble for sub-blocks
+ * their low 4 bits as NIBBLES at sc, their top 2 bits at top, sc's at bits 0-1 and mn's at
+ * bits 2-3 of a nibble of byte top + 32 (j / 4) + 2c + j % 2, the low nibble for sub-blocks
  * 4q + h, the high one for 4q + 2 + h (a pair of sub-blocks reads one 16-bit pair there as
- * at sc). Mins: NIBBLES; K6; ONE (mn = -1: Q4_1, Q5_1, whose dm is m). */
-enum { SC_ONE, SC_PAIRS, SC_NIBBLES, SC_K6 };
+ * at sc); S6 (Q3_K's and IQ4_XS's signed 6-bit scales, as 0..63 for -32..31, as many bytes
+ * as the file's): their low 4 bits in nibbles as K6's top bits (at sc), their top 2 bits at
+ * bits 2 (j / 2 % 4) of byte top + 32 (j / 8) + 2c + j % 2. Mins: NIBBLES; K6; ONE (mn = -1:
+ * Q4_1, Q5_1, whose dm is m). So a panel holds the file's bytes, rearranged. */
+enum { SC_ONE, SC_PAIRS, SC_NIBBLES, SC_K6, SC_S6 };
 enum { MN_NONE, MN_NIBBLES, MN_ONE, MN_K6 };
 enum { HI_NONE, HI_BITS, HI_QUAD, HI_MASK };
 
@@ -66,7 +69,8 @@ typedef struct {
     short values, width;         /* values a block, a sub-block */
     short gguf_bytes, bytes;     /* a GGUF block, a panel-block */
     short dm;                    /* offset of dm [16] (0: none) */
-    short sc, sc_form, mn, mn_form;
+    short sc, sc_form, top;      /* the scales; K6's and S6's top bits at top */
+    short mn_form;               /* the mins: where a type has them (MN_*) */
     short lo, lo_bits, hi, hi_form;
     short offset, table;         /* v(code) = code - offset, or KVALUES[code] where table */
 } layout_t;
@@ -77,7 +81,7 @@ typedef struct {
 #define Q5_0_HIGH HI_BITS
 #endif
 
-/* values, width, gguf bytes, bytes, dm, sc, form, mn, form, lo, bits, hi, form, offset, table */
+/* values, width, gguf bytes, bytes, dm, sc, form, top, mins, lo, bits, hi, form, offset, table */
 static const layout_t LAYOUTS[T_COUNT] = {
     [T_Q4_0] = {32, 32, 18, 288, 0, 0, SC_ONE, 0, MN_NONE, 32, 4, 0, HI_NONE, 8, 0},
     [T_Q4_1] = {32, 32, 20, 320, 32, 0, SC_ONE, 0, MN_ONE, 64, 4, 0, HI_NONE, 0, 0},
@@ -85,12 +89,12 @@ static const layout_t LAYOUTS[T_COUNT] = {
     [T_Q5_1] = {32, 32, 24, 384, 32, 0, SC_ONE, 0, MN_ONE, 64, 4, 320, HI_BITS, 0, 0},
     [T_Q8_0] = {32, 32, 34, 544, 0, 0, SC_ONE, 0, MN_NONE, 32, 8, 0, HI_NONE, 128, 0},
     [T_IQ4_NL] = {32, 32, 18, 288, 0, 0, SC_ONE, 0, MN_NONE, 32, 4, 0, HI_NONE, 0, 1},
-    [T_Q2_K] = {256, 16, 84, 1344, 32, 64, SC_NIBBLES, 64, MN_NIBBLES, 320, 2, 0, HI_NONE, 0, 0},
-    [T_Q3_K] = {256, 16, 110, 1824, 0, 32, SC_PAIRS, 0, MN_NONE, 288, 2, 1312, HI_BITS, 4, 0},
+    [T_Q2_K] = {256, 16, 84, 1344, 32, 64, SC_NIBBLES, 0, MN_NIBBLES, 320, 2, 0, HI_NONE, 0, 0},
+    [T_Q3_K] = {256, 16, 110, 1760, 0, 32, SC_S6, 160, MN_NONE, 224, 2, 1248, HI_BITS, 4, 0},
     [T_Q4_K] = {256, 32, 144, 2304, 32, 64, SC_K6, 192, MN_K6, 256, 4, 0, HI_NONE, 0, 0},
     [T_Q5_K] = {256, 32, 176, 2816, 32, 64, SC_K6, 192, MN_K6, 256, 4, 2304, HI_BITS, 0, 0},
     [T_Q6_K] = {256, 16, 210, 3360, 0, 32, SC_PAIRS, 0, MN_NONE, 288, 4, 2336, HI_QUAD, 32, 0},
-    [T_IQ4_XS] = {256, 32, 136, 2208, 0, 32, SC_PAIRS, 0, MN_NONE, 160, 4, 0, HI_NONE, 0, 1},
+    [T_IQ4_XS] = {256, 32, 136, 2176, 0, 32, SC_S6, 96, MN_NONE, 128, 4, 0, HI_NONE, 0, 1},
 };
 
 /* the layout of a kernel type with blocks; NULL for any other */
@@ -242,10 +246,17 @@ AIB long hi_at(int form, int c, int e, int *shift) {
 
 AIB long pair_at(int c, int j) { return 32 * (j / 2) + 2 * c + j % 2; }
 
-/* K6: the byte (from mn) of column c's sub-block j's top bits, and their nibble's shift */
+/* K6's byte (from top) of column c's sub-block j's top bits, and their nibble's shift; S6's
+ * byte (from sc) of its low bits, the same */
 AIB long k6_top_at(int c, int j, int *shift) {
     *shift = 4 * (j / 2 % 2);
     return 32 * (j / 4) + 2 * c + j % 2;
+}
+
+/* S6's byte (from top) of column c's sub-block j's top 2 bits, and their shift */
+AIB long s6_top_at(int c, int j, int *shift) {
+    *shift = 2 * (j / 2 % 4);
+    return 32 * (j / 8) + 2 * c + j % 2;
 }
 
 /* codes q[c][e] (16 columns, `values` each) into their parts: the low `bits` of each at
@@ -304,7 +315,14 @@ AIB void pack_block_typed(const int type, const uint8_t *const blk[PANEL], uint8
             if (L->sc_form == SC_K6) {
                 int shift;
                 out[L->sc + pair_at(c, j)] = (uint8_t)((u.sc[j] & 0xf) | ((u.mn[j] & 0xf) << 4));
-                out[L->mn + k6_top_at(c, j, &shift)] |= (uint8_t)(((u.sc[j] >> 4) | ((u.mn[j] >> 4) << 2)) << shift);
+                out[L->top + k6_top_at(c, j, &shift)] |= (uint8_t)(((u.sc[j] >> 4) | ((u.mn[j] >> 4) << 2)) << shift);
+            }
+            if (L->sc_form == SC_S6) {
+                const int code = u.sc[j] + 32; /* -32..31 -> 0..63 */
+                int shift;
+                const long at = k6_top_at(c, j, &shift);
+                out[L->sc + at] |= (uint8_t)((code & 0xf) << shift);
+                out[L->top + s6_top_at(c, j, &shift)] |= (uint8_t)((code >> 4) << shift);
             }
         }
     }
@@ -340,11 +358,15 @@ QG_UNUSED_IN_SIMD static void panel_decode(int type, const uint8_t *blk, panel_b
         for (int j = 0; j < subs; ++j) {
             const long p = pair_at(c, j);
             const int form = L->sc_form;
-            int shift = 0;
-            const int top = form == SC_K6 ? blk[L->mn + k6_top_at(c, j, &shift)] >> shift : 0;
+            int shift = 0, s6_shift = 0;
+            const int top = form == SC_K6 ? blk[L->top + k6_top_at(c, j, &shift)] >> shift : 0;
+            const long s6_low = k6_top_at(c, j, &s6_shift);
+            const int s6_low_bits = (blk[L->sc + s6_low] >> s6_shift) & 0xf;
+            const int s6_top = (blk[L->top + s6_top_at(c, j, &s6_shift)] >> s6_shift) & 3;
             P->sc[j][c] = form == SC_PAIRS ? (int8_t)blk[L->sc + p]
                           : form == SC_NIBBLES ? blk[L->sc + p] & 0xf
-                          : form == SC_K6 ? (blk[L->sc + p] & 0xf) | ((top & 3) << 4) : 1;
+                          : form == SC_K6 ? (blk[L->sc + p] & 0xf) | ((top & 3) << 4)
+                          : form == SC_S6 ? (s6_low_bits | (s6_top << 4)) - 32 : 1;
             P->mn[j][c] = L->mn_form == MN_NIBBLES ? blk[L->sc + p] >> 4
                           : L->mn_form == MN_K6 ? (blk[L->sc + p] >> 4) | ((top >> 2 & 3) << 4)
                           : L->mn_form == MN_ONE ? -1 : 0;
