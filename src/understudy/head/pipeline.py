@@ -25,7 +25,7 @@ from torch import nn
 from understudy.config import UnderstudyError
 from understudy.head.features import extract
 from understudy.head.self_text import OPENER_SAMPLED, OPENER_TEMPERATURE
-from understudy.head.shards import SHARD, load_shards
+from understudy.head.shards import train_and_held_out
 from understudy.head.train import TrainConfig, choose_vocab, train
 from understudy.models.eagle_head import (
     WEIGHTS_FILE,
@@ -72,23 +72,6 @@ def release_layers(target: LoadedModel) -> None:
     gc.collect()
 
 
-def as_rows(data: dict[str, torch.Tensor], length: int) -> dict[str, torch.Tensor]:
-    """Cut every sequence [N, T, ...] into T // length rows [N * T // length, length, ...]
-    (T a multiple of length), so corpora of different sequence lengths train together."""
-    T = data["tokens"].shape[1]
-    assert T % length == 0, f"sequence length {T} is not a multiple of {length}"
-    return {k: v.reshape(v.shape[0] * (T // length), length, *v.shape[2:]) for k, v in data.items()}
-
-
-def split_held_out(
-    data: dict[str, torch.Tensor],
-) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
-    """(train, held out): the last min(SHARD, N // 10) sequences (at least 1) are held out."""
-    n = data["tokens"].shape[0]
-    held_out = max(1, min(SHARD, n // 10))
-    return {k: v[:-held_out] for k, v in data.items()}, {k: v[-held_out:] for k, v in data.items()}
-
-
 def feature_layers_of(target: LoadedModel, settings: HeadSettings, init: Path | None) -> tuple:
     """The layers the head reads: an --init head's, else the settings', else the default."""
     if init is not None:
@@ -100,21 +83,26 @@ def feature_layers_of(target: LoadedModel, settings: HeadSettings, init: Path | 
 
 def read_sources(
     target: LoadedModel, sources: list[Source], folder: Path, progress: bool
-) -> list[dict[str, torch.Tensor]]:
-    """Each source's shards (extracted where missing), its rows cut to the shortest
-    sequence length when the lengths differ."""
+) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """(train, held out) of every source's shards (extracted where missing), rows cut to the
+    shortest sequence length when the lengths differ (shards.train_and_held_out)."""
     layers = target.model.feature_layers
     tag = "-layers-" + "-".join(map(str, layers)) if layers else ""
-    parts = []
+    paths = []
     for source in sources:
         shards = folder / f"features-{source.name}-{source.seq_len}{tag}"
-        paths = extract(
-            target.model, source.prompts, source.seq_len, shards, progress,
-            sampled=source.sampled, temperature=OPENER_TEMPERATURE,
-        )  # fmt: skip
-        parts.append(load_shards(paths))
-    shortest = min(source.seq_len for source in sources)
-    return [as_rows(part, shortest) for part in parts]
+        paths.append(
+            extract(
+                target.model,
+                source.prompts,
+                source.seq_len,
+                shards,
+                progress,
+                sampled=source.sampled,
+                temperature=OPENER_TEMPERATURE,
+            )  # fmt: skip
+        )
+    return train_and_held_out(paths, min(source.seq_len for source in sources))
 
 
 def new_head(
@@ -191,12 +179,9 @@ def train_head(
     layers = feature_layers_of(target, settings, init)
     target.model.feature_layers = layers
     t0 = time.perf_counter()
-    parts = read_sources(target, sources, folder, progress)
+    train_part, val_part = read_sources(target, sources, folder, progress)
     extract_s = time.perf_counter() - t0
     release_layers(target)
-    splits = [split_held_out(p) for p in parts]
-    train_part = {k: torch.cat([t[k] for t, _ in splits]) for k in parts[0]}
-    val_part = {k: torch.cat([v[k] for _, v in splits]) for k in parts[0]}
     if init is not None:
         head = start_head(target, init)
     else:
