@@ -59,8 +59,8 @@ def train_and_held_out(
     "kept" where every shard has it.
 
     Built one shard at a time into tensors of the final size, so the sets' bytes are held
-    once: concatenating loaded sources held them two or three times over (917k tokens with
-    three feature layers: 11 GB of float16, 22 GB at the peak)."""
+    once (concatenating whole sources, then splitting, holds them two or three times over:
+    with three feature layers, ~12 KB a token in float16)."""
     shapes: list[list[dict[str, list[int]]]] = []  # per source, per shard: key -> shape
     for paths in sources:
         source = []
