@@ -19,7 +19,7 @@ from test_cli import cli
 from understudy import Engine, SamplingParams
 from understudy.head.features import target_features
 from understudy.head.lockstep import decode_in_lockstep
-from understudy.head.pipeline import HeadSettings, as_rows, train_head
+from understudy.head.pipeline import HeadSettings, train_head
 from understudy.head.self_text import LENGTH_RUN, OPENERS, docstring_prompts, function_prompts
 from understudy.head.train import TrainConfig
 from understudy.models.loader import load_model
@@ -143,13 +143,6 @@ def test_gathered_keys_are_for_per_row_passes_only(tiny_pair):
     mask = torch.ones(3, 8, dtype=torch.bool)
     with torch.inference_mode(), pytest.raises(AssertionError, match="per-row attention"):
         model.hidden_states(rows + 1, rows, rows * 8, mask, key_slots)
-
-
-def test_as_rows_cuts_sequences_in_order():
-    data = {"tokens": torch.arange(16).view(2, 8), "features": torch.arange(32.0).view(2, 8, 2)}
-    rows = as_rows(data, 4)
-    assert rows["tokens"].tolist() == [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9, 10, 11], [12, 13, 14, 15]]
-    assert torch.equal(rows["features"][1], data["features"][0, 4:])
 
 
 def test_train_on_self_text_beside_a_corpus_and_from_a_head(tiny_pair, tmp_path):
