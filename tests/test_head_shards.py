@@ -1,5 +1,6 @@
-"""head/shards.py: the training and held-out sets assembled shard by shard equal the sources
-concatenated, cut into rows and split as the docstring says (the plain way, done here)."""
+"""head/shards.py: the training and held-out sets read from the shards equal the sources
+concatenated, cut into rows and split as the docstring says (the plain way, done here),
+whichever rows are asked for, and they are read from disk when asked for, not before."""
 
 from __future__ import annotations
 
@@ -59,9 +60,28 @@ def test_sets_built_shard_by_shard_equal_the_sources_concatenated(tmp_path):
     want_train, want_val = plainly(sources, 32)
     assert set(train) == set(want_train) == {"tokens", "features", "argmax", "kept"}
     for key in train:
-        assert torch.equal(train[key], want_train[key]), key
-        assert torch.equal(val[key], want_val[key]), key
+        assert train[key].shape == want_train[key].shape, key
+        assert torch.equal(train[key][:], want_train[key]), key
+        assert torch.equal(val[key][:], want_val[key]), key
     assert val["tokens"].shape[0] == 14 + 2 + 1
+    order = torch.randperm(len(train["tokens"]), generator=torch.Generator().manual_seed(0))
+    for rows in (order[:7], order[7:9], slice(3, 5), torch.tensor([5, 5, 0])):
+        for key in train:
+            assert torch.equal(train[key][rows], want_train[key][rows]), (key, rows)
+
+
+def test_rows_are_read_when_indexed(tmp_path):
+    """The sets hold addresses, not bytes: a shard rewritten after they were built is what
+    they then read (so 2M tokens of features need not fit in memory)."""
+    paths = write_source(tmp_path / "a", 20, 32, seed=1, kept=True)
+    train, _ = train_and_held_out([paths], 32)
+    before = train["features"][torch.tensor([0, 17])]
+    write_source(tmp_path / "b", 20, 32, seed=2, kept=True)
+    (tmp_path / "b" / paths[1].name).replace(paths[1])  # rows 16.. of the source
+    after = train["features"][torch.tensor([0, 17])]
+    assert torch.equal(after[0], before[0])
+    assert not torch.equal(after[1], before[1])
+    assert torch.equal(after[1], load_file(str(paths[1]))["features"][1])
 
 
 def test_kept_only_where_every_shard_has_it(tmp_path):

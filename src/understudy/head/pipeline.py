@@ -25,7 +25,7 @@ from torch import nn
 from understudy.config import UnderstudyError
 from understudy.head.features import extract
 from understudy.head.self_text import OPENER_SAMPLED, OPENER_TEMPERATURE
-from understudy.head.shards import train_and_held_out
+from understudy.head.shards import ShardRows, train_and_held_out
 from understudy.head.train import TrainConfig, choose_vocab, train
 from understudy.models.eagle_head import (
     WEIGHTS_FILE,
@@ -83,7 +83,7 @@ def feature_layers_of(target: LoadedModel, settings: HeadSettings, init: Path | 
 
 def read_sources(
     target: LoadedModel, sources: list[Source], folder: Path, progress: bool
-) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+) -> tuple[dict[str, ShardRows], dict[str, ShardRows]]:
     """(train, held out) of every source's shards (extracted where missing), rows cut to the
     shortest sequence length when the lengths differ (shards.train_and_held_out)."""
     layers = target.model.feature_layers
@@ -106,7 +106,7 @@ def read_sources(
 
 
 def new_head(
-    target: LoadedModel, settings: HeadSettings, layers: tuple, train_part: dict
+    target: LoadedModel, settings: HeadSettings, layers: tuple, train_part: dict[str, ShardRows]
 ) -> EagleHead:
     """A fresh head: its draft vocabulary the tokens the target predicts most often, its
     output norm (and its last tap's, when that is the target's last layer) the target's
@@ -116,7 +116,7 @@ def new_head(
         model.cfg, settings.intermediate_size, settings.draft_vocab_size, layers
     )
     vocab = choose_vocab(
-        train_part["argmax"], train_part["tokens"], model.cfg.vocab_size, cfg.draft_vocab_size
+        train_part["argmax"][:], train_part["tokens"][:], model.cfg.vocab_size, cfg.draft_vocab_size
     )
     head = EagleHead(cfg, model.embed)
     head.vocab.copy_(vocab)
@@ -186,7 +186,7 @@ def train_head(
         head = start_head(target, init)
     else:
         head = new_head(target, settings, layers, train_part)
-    coverage = float(torch.isin(val_part["argmax"].long(), head.vocab).float().mean())
+    coverage = float(torch.isin(val_part["argmax"][:].long(), head.vocab).float().mean())
     start = "fresh" if init is None else str(init.resolve())
     facts = train(head, train_part, val_part, settings.train, folder, progress, start)
     seq_len = len(sequences[0]) if sequences else settings.self_len

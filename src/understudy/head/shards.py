@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 from safetensors import safe_open
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
 
 SHARD = 16  # sequences per shard file
 KEYS = ("tokens", "features", "argmax")
@@ -50,51 +50,90 @@ def held_out_rows(rows: int) -> int:
     return max(1, min(SHARD, rows // 10))
 
 
+class ShardRows:
+    """One key's rows [n, length, ...] across shard files, read from disk when indexed.
+
+    Row r is tokens start[r] .. start[r] + length of sequence sequence[r] of files[file[r]].
+    Only those addresses are held: with three feature layers a token's features take ~12 KB
+    in float16, so 2M tokens of training text are ~25 GB, past a training machine's memory,
+    while a step reads a few rows (the page cache keeps what fits)."""
+
+    def __init__(
+        self,
+        key: str,
+        files: list[Path],
+        address: torch.Tensor,  # [n, 3] int64: file, sequence, start
+        length: int,
+        trailing: tuple[int, ...],
+        dtype: torch.dtype,
+    ) -> None:
+        self.key, self.files, self.address = key, files, address
+        self.length, self.trailing, self.dtype = length, trailing, dtype
+
+    @property
+    def shape(self) -> torch.Size:
+        return torch.Size((self.address.shape[0], self.length, *self.trailing))
+
+    def __len__(self) -> int:
+        return self.address.shape[0]
+
+    def __getitem__(self, rows: torch.Tensor | slice) -> torch.Tensor:
+        """The rows selected as a tensor's first dimension would be: [len(rows), length, ...]."""
+        picked = self.address[rows]  # [m, 3]
+        out = torch.empty(picked.shape[0], self.length, *self.trailing, dtype=self.dtype)
+        for file in picked[:, 0].unique().tolist():  # each file opened once a call
+            with safe_open(str(self.files[file]), framework="pt") as f:
+                part = f.get_slice(self.key)
+                for i in (picked[:, 0] == file).nonzero().flatten().tolist():
+                    sequence, start = picked[i, 1].item(), picked[i, 2].item()
+                    out[i] = part[sequence, start : start + self.length]
+        return out
+
+
+Rows = torch.Tensor | ShardRows  # what the head's training indexes: [n, length, ...]
+
+DTYPES = {"F16": torch.float16, "I32": torch.int32, "F32": torch.float32}  # write_shard's
+
+
 def train_and_held_out(
     sources: list[list[Path]], length: int
-) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+) -> tuple[dict[str, ShardRows], dict[str, ShardRows]]:
     """The training and held-out sets of several sources' shards: each sequence [T, ...] cut
     into T // length rows [length, ...] (so sources of different lengths train together),
     each source's last held_out_rows rows held out, the sources in order. Keys: KEYS, and
-    "kept" where every shard has it.
-
-    Built one shard at a time into tensors of the final size, so the sets' bytes are held
-    once (concatenating whole sources, then splitting, holds them two or three times over:
-    with three feature layers, ~12 KB a token in float16)."""
-    shapes: list[list[dict[str, list[int]]]] = []  # per source, per shard: key -> shape
-    for paths in sources:
-        source = []
-        for path in paths:
-            with safe_open(str(path), framework="pt") as f:
-                source.append({key: list(f.get_slice(key).get_shape()) for key in f.keys()})
-        shapes.append(source)
-    keys = KEYS + (("kept",) if all("kept" in s for src in shapes for s in src) else ())
-    lengths = {s["tokens"][1] for src in shapes for s in src}
+    "kept" where every shard has it. Rows are read from the shards when indexed (ShardRows):
+    only the shards' headers are read here."""
+    files = [path for paths in sources for path in paths]
+    shapes: list[dict[str, list[int]]] = []  # per file: key -> shape
+    dtypes: dict[str, str] = {}
+    for path in files:
+        with safe_open(str(path), framework="pt") as f:
+            shapes.append({key: list(f.get_slice(key).get_shape()) for key in f.keys()})
+            dtypes.update({key: f.get_slice(key).get_dtype() for key in f.keys()})
+    keys = KEYS + (("kept",) if all("kept" in s for s in shapes) else ())
+    lengths = {s["tokens"][1] for s in shapes}
     assert all(T % length == 0 for T in lengths), f"sequence lengths {lengths}, rows of {length}"
-    rows = [sum(s["tokens"][0] * (s["tokens"][1] // length) for s in src) for src in shapes]
-    held = [held_out_rows(n) for n in rows]
-    first = load_file(str(sources[0][0]))  # one shard: each key's dtype and trailing shape
+    train: list[tuple[int, int, int]] = []  # (file, sequence, start) of each row
+    val: list[tuple[int, int, int]] = []
+    at = 0  # the first file of this source
+    for paths in sources:
+        rows = [
+            (file, sequence, start)
+            for file in range(at, at + len(paths))
+            for sequence in range(shapes[file]["tokens"][0])
+            for start in range(0, shapes[file]["tokens"][1], length)
+        ]
+        held = held_out_rows(len(rows))
+        train += rows[:-held]
+        val += rows[-held:]
+        at += len(paths)
 
-    def empty(n: int) -> dict[str, torch.Tensor]:  # pages are touched as rows are copied in
+    def rows_of(address: list[tuple[int, int, int]]) -> dict[str, ShardRows]:
+        table = torch.tensor(address, dtype=torch.long).reshape(-1, 3)
+        trailing = {key: tuple(shapes[0][key][2:]) for key in keys}
         return {
-            key: torch.empty(n, length, *first[key].shape[2:], dtype=first[key].dtype)
+            key: ShardRows(key, files, table, length, trailing[key], DTYPES[dtypes[key]])
             for key in keys
         }
 
-    train, val = empty(sum(rows) - sum(held)), empty(sum(held))
-    at_train = at_val = 0
-    for paths, n, h in zip(sources, rows, held, strict=True):
-        done = 0  # rows of this source copied
-        for path in paths:
-            shard = load_file(str(path))
-            for key in keys:
-                t = shard[key]
-                shard[key] = t.reshape(t.shape[0] * (t.shape[1] // length), length, *t.shape[2:])
-            m = shard["tokens"].shape[0]
-            to_train = max(0, min(m, n - h - done))  # the source's first n - h rows train
-            for key in keys:
-                train[key][at_train : at_train + to_train] = shard[key][:to_train]
-                val[key][at_val : at_val + m - to_train] = shard[key][to_train:]
-            at_train, at_val, done = at_train + to_train, at_val + m - to_train, done + m
-    assert at_train == train["tokens"].shape[0] and at_val == val["tokens"].shape[0]
-    return train, val
+    return rows_of(train), rows_of(val)

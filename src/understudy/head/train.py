@@ -33,6 +33,7 @@ from __future__ import annotations
 import contextlib
 import math
 import time
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -41,6 +42,7 @@ import torch.nn.functional as F
 from tqdm import tqdm
 
 from understudy.config import UnderstudyError
+from understudy.head.shards import Rows
 from understudy.models.eagle_head import EagleHead
 from understudy.models.loader import cpu_has_native_bf16
 
@@ -149,7 +151,7 @@ def unrolled_losses(
 
 def batch_losses(
     head: EagleHead,
-    data: dict[str, torch.Tensor],
+    data: Mapping[str, Rows],
     rows: torch.Tensor | slice,
     cfg: TrainConfig,
     feature_scale: float,
@@ -173,7 +175,7 @@ def batch_losses(
 
 @torch.no_grad()
 def evaluate(
-    head: EagleHead, data: dict[str, torch.Tensor], cfg: TrainConfig, feature_scale: float
+    head: EagleHead, data: Mapping[str, Rows], cfg: TrainConfig, feature_scale: float
 ) -> list[float]:
     """Mean argmax agreement per unrolled step on `data` (held-out sequences)."""
     sums: list[float] = []
@@ -257,8 +259,8 @@ def optimizer_step(
 
 def train(
     head: EagleHead,
-    train_data: dict[str, torch.Tensor],
-    val_data: dict[str, torch.Tensor],
+    train_data: Mapping[str, Rows],
+    val_data: Mapping[str, Rows],
     cfg: TrainConfig,
     folder: Path,
     progress: bool = True,
