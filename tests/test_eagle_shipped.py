@@ -1,4 +1,4 @@
-"""The head that ships with the package (models/head_file.py): packed to int4 with its scales,
+"""The head that ships with the package (models/head_file.py): packed in Q4_0 blocks,
 bound by sha256 to the target file it was trained on, found by method="eagle" with no
 draft= given, refused for any other file, and outranked by a head the user trained into
 the cache. A tiny GGUF target on its own blocks stands in for the packaged one."""
@@ -10,6 +10,8 @@ from pathlib import Path
 
 import pytest
 import torch
+from gguf import GGMLQuantizationType
+from gguf.quants import dequantize, quantize
 from safetensors.torch import load_file
 
 from eagle_helpers import SETTINGS
@@ -24,7 +26,8 @@ from understudy.kernels import qgemm
 from understudy.models import head_file
 from understudy.models.head_file import file_sha256, load_packed_head, pack_head, read_packed
 from understudy.models.loader import load_model
-from understudy.models.quant import dequantize_int4, quantize_int4
+
+Q4_0 = GGMLQuantizationType.Q4_0
 
 pytestmark = [
     pytest.mark.skipif(not qgemm.available(), reason="qgemm cannot be built here"),
@@ -51,10 +54,10 @@ def trained(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, Path, Path]:
     return target, root / "head", packed
 
 
-def test_packed_weights_are_the_int4_codes_and_scales(trained):
-    """Every linear comes back as exactly its int4 (group 32) dequantization; norms, biases
-    and the vocabulary as trained; the config and the target's digest ride along; the LM
-    rows are not in the file."""
+def test_packed_weights_are_the_q4_0_blocks(trained):
+    """Every linear comes back as exactly its Q4_0 blocks' values (gguf's own quantizer and
+    dequantizer); norms, biases and the vocabulary as trained; the config and the target's
+    digest ride along; the LM rows are not in the file."""
     target, folder, packed = trained
     cfg, sha256, meta = read_packed(packed)
     assert sha256 == file_sha256(target) and cfg.feature_layers == (0, 1, 2)
@@ -65,7 +68,8 @@ def test_packed_weights_are_the_int4_codes_and_scales(trained):
     loaded = head.state_dict()
     for name, value in state.items():
         if value.ndim == 2 and name != "vocab":
-            want = dequantize_int4(*quantize_int4(value.float(), head_file.GROUP))
+            w = value.float().numpy()
+            want = torch.from_numpy(dequantize(quantize(w, Q4_0), Q4_0)).reshape(w.shape)
             assert torch.equal(loaded[name], want), name
         else:
             assert torch.equal(loaded[name], value), name
@@ -87,6 +91,27 @@ def test_method_eagle_finds_the_shipped_head_for_its_file(trained, monkeypatch, 
         assert out.token_ids == plain.generate(prompt, params).token_ids
         accepted += out.stats.accepted
     assert accepted > 0
+
+
+def test_a_packed_head_drafts_with_the_blocks_of_the_head_it_was_packed_from(trained):
+    """Beside a GGUF target the drafter puts the head in Q4_0 blocks: from the packed file
+    they are bitwise the trained folder's, so the shipped head drafts as the trained one."""
+    target, folder, packed = trained
+    heads = [
+        Engine.from_pretrained(target=target, method="eagle", draft=str(source),
+                               max_context=256).drafter.head
+        for source in (folder, packed)
+    ]  # fmt: skip
+    blocks = dict(heads[1].named_modules())
+    compared = 0
+    for name, a in heads[0].named_modules():
+        if isinstance(a, qgemm.QuantLinear):
+            b = blocks[name]
+            assert isinstance(b, qgemm.QuantLinear), name
+            x = torch.randn(3, a.in_features, generator=torch.Generator().manual_seed(compared))
+            assert torch.equal(a(x), b(x)), name
+            compared += 1
+    assert compared >= 5  # fuse, fc, the block's attention and MLP, the LM rows
 
 
 @pytest.mark.parametrize("scheme,kind", [("auto", "Q4_0"), ("q8_0", "Q8_0")])

@@ -5,13 +5,21 @@ One safetensors file:
                config        the HeadConfig (models/eagle_head.py), as JSON
                target_sha256 the sha256 of the target file the head was trained on
                meta          the training run's facts (config.json's "meta"), as JSON
-    <linear>.q4      uint8 [N, K/2]     the 4-bit codes of models/quant.py's quantize_int4
-                                        (group GROUP), two a byte, the even column low
-    <linear>.scales  bfloat16 [K/G, N, 2] their scales and zeros (w = (q - 8) * s + z)
+    <linear>.q4      uint8 [N, K/2]     4-bit codes (group GROUP), two a byte, the even
+                                        column low
+    <linear>.scales  float16 [K/G, N, 2] their scales and zeros (w = (q - 8) * s + z, as
+                                        models/quant.py's dequantize_int4 reads them)
     <name>           float32            everything else (norms, biases), as trained
     vocab            int64 [N]          the draft vocabulary (target token ids)
 The head's LM rows are the target's own and are not in it: `load_packed_head` takes them
 from the target, as models/eagle_head.load_head does.
+
+The codes and scales are the trained weights' Q4_0 blocks (gguf's reference quantizer; zero
+z = 0), so that beside a GGUF target, where the drafter puts the head in Q4_0 blocks again
+(models/block_linears.py), those blocks are bitwise the ones the trained head's own folder
+gives: Q4_0 of a block already on its grid gives it back. A packed head drafts as the head
+it was packed from (min/max int4 codes, put in Q4_0 again, are rounded twice: the head
+drafted worse for it).
 
 Why bound by sha256: the head reads the target's hidden states, which belong to that exact
 file's weights (another quantization of the same model moves them), so a head is refused
@@ -26,7 +34,10 @@ from dataclasses import asdict
 from importlib import resources
 from pathlib import Path
 
+import numpy as np
 import torch
+from gguf import GGMLQuantizationType
+from gguf.quants import quantize
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 from torch import nn
@@ -40,7 +51,7 @@ from understudy.models.eagle_head import (
     load_head,
     read_head_config,
 )
-from understudy.models.quant import dequantize_int4, quantize_int4
+from understudy.models.quant import dequantize_int4
 from understudy.models.registry import resolve_packaged
 from understudy.models.transformer import Transformer
 
@@ -72,6 +83,19 @@ def file_sha256(spec: str) -> str | None:
     return None
 
 
+def q4_0_codes(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """w [N, K] -> (codes uint8 [N, K] in 0..15, scales and zeros float16 [K/G, N, 2]): the
+    Q4_0 blocks of gguf's reference quantizer in the packed layout, w ~ (q - 8) * d + 0."""
+    n, k = w.shape
+    blocks = quantize(np.ascontiguousarray(w.numpy()), GGMLQuantizationType.Q4_0)
+    blocks = blocks.reshape(n, k // GROUP, 2 + GROUP // 2)  # per block: f16 d, 16 nibble bytes
+    d = torch.from_numpy(np.ascontiguousarray(blocks[..., :2]).view(np.float16)[..., 0])
+    nibbles = torch.from_numpy(np.ascontiguousarray(blocks[..., 2:]))  # [N, K/G, 16]
+    codes = torch.cat([nibbles & 15, nibbles >> 4], dim=-1).reshape(n, k)  # values j, j + 16
+    scales = torch.stack([d, torch.zeros_like(d)], dim=-1).transpose(0, 1).contiguous()
+    return codes, scales
+
+
 def pack_head(folder: Path, out: Path, target_sha256: str) -> int:
     """Pack the trained head in `folder` (head.safetensors, config.json) into `out` for the
     target file of digest `target_sha256`; returns the file's size. Refuses a head whose
@@ -83,8 +107,7 @@ def pack_head(folder: Path, out: Path, target_sha256: str) -> int:
     linears = {f"{name}.weight" for name, m in head.named_modules() if isinstance(m, nn.Linear)}
     for name, value in state.items():
         if name in linears:
-            q, scales = quantize_int4(value.float(), GROUP)  # [N, K] 0..15, [K/G, N, 2]
-            codes = q.to(torch.uint8)
+            codes, scales = q4_0_codes(value.float())  # [N, K] 0..15, [K/G, N, 2]
             tensors[f"{name}.q4"] = (codes[:, 0::2] | (codes[:, 1::2] << 4)).contiguous()
             tensors[f"{name}.scales"] = scales
         elif name == "vocab":
