@@ -66,3 +66,15 @@ def test_default_pair_batched_answers_are_plain_answers(pair):
     for prompt, out in zip(PROMPTS, together, strict=True):
         assert out.token_ids == plain.generate(prompt, params).token_ids
     assert batched.scheduler.rows_last_pass >= 1 and not batched.scheduler.busy
+
+
+def test_shipped_head_greedy_is_identical_and_speculates(pair):
+    """method="eagle" with no draft= runs the head the package ships for the default target
+    (bound to its file by sha256), offline: every answer is plain decoding's."""
+    _, plain = pair
+    eagle = Engine.from_pretrained(method="eagle")
+    params = SamplingParams(max_tokens=48, temperature=0.0)
+    for prompt in PROMPTS:
+        fast = eagle.generate(prompt, params)
+        assert fast.token_ids == plain.generate(prompt, params).token_ids, prompt
+        assert fast.stats.tokens_per_pass > 1.3, "the head should agree with its target often"
