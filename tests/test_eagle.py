@@ -134,9 +134,12 @@ def test_tree_rounds_hand_the_head_the_kept_path(trained):
     """After tree rounds the head holds the target's features of exactly the kept tokens:
     those of one prefill of the whole output (the kept path's hidden states, in order)."""
     target, folder, _ = trained
+    # the head as trained (draft_quantization=None): torch's int4 linears compute in bf16 and
+    # round differently for different row counts, which is not what this checks (which
+    # tokens' features the head holds); a misplaced row differs by far more
     engine = Engine.from_pretrained(
         target=target, method="eagle", draft=str(folder), dtype="float32",
-        num_speculative_tokens=3, tree="on",
+        num_speculative_tokens=3, tree="on", draft_quantization=None,
     )  # fmt: skip
     params = SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True)
     prompt = random_prompts(1, seed=21)[0]
