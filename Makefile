@@ -10,11 +10,12 @@ setup: $(STAMP)
 
 # torch is pinned first: 2.13.0 is the CPU build this project is measured on (a bare range
 # would pull a multi-GB CUDA build on a CPU-only machine); the package itself declares a range.
+# --no-cache-dir: a fresh machine gains nothing from a copy of every wheel, and disk may be short.
 $(STAMP): pyproject.toml
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install --quiet --upgrade pip
-	$(PY) -m pip install --quiet "torch==2.13.0"
-	$(PY) -m pip install --quiet -e ".[test,serve,bench,ray]"
+	$(PY) -m pip install --quiet --no-cache-dir --upgrade pip
+	$(PY) -m pip install --quiet --no-cache-dir "torch==2.13.0"
+	$(PY) -m pip install --quiet --no-cache-dir -e ".[test,serve,bench,ray]"
 	@touch $(STAMP)
 
 demo: setup
