@@ -1,7 +1,6 @@
 """Drafters, one file per method; importing this package registers them all."""
 
 from understudy.drafters import (
-    auto,  # noqa: F401  (registers "auto")
     draft_model,  # noqa: F401  (registers "draft")
     eagle,  # noqa: F401  (registers "eagle")
     hybrid,  # noqa: F401  (registers "hybrid")

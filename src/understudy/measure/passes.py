@@ -209,18 +209,3 @@ def measure_batch_costs(
     target = pass_curve(targets, row_points(most_rows), sweeps)
     draft = pass_curve(drafts, row_points(len(drafts)), sweeps, each=1) if drafts else None
     return BatchCosts(target, draft)
-
-
-def step_ratio(step: DraftStep, other: DraftStep, sweeps: int = STEP_SWEEPS) -> float:
-    """One `step` over one `other` step, each the best of `sweeps` sweeps that time one of
-    each in turn (after a warm-up of each): a second drafter's c from the first's."""
-    firsts: list[float] = []
-    seconds: list[float] = []
-    step()
-    other()
-    for _ in range(sweeps):
-        for fn, times in ((step, firsts), (other, seconds)):
-            t0 = time.perf_counter()
-            fn()
-            times.append(time.perf_counter() - t0)
-    return float(min(firsts) / min(seconds))
