@@ -138,12 +138,13 @@ def test_serve_refuses_a_mode_it_does_not_have_before_loading_anything():
 def test_the_typed_choices_are_the_ones_their_owners_take():
     """config's Literal types list exactly the values the engine, the loader and the drafters
     validate against: the CLI's choices neither refuse a valid value nor pass a wrong one."""
-    from understudy.config import DType, Method, Quantization, TreeMode
+    from understudy.config import BuiltMethod, DType, Method, Quantization, TreeMode
     from understudy.drafters.calibration import TREE_MODES
     from understudy.engine.builder import METHODS
     from understudy.models.loader import DTYPES, QUANTIZATIONS
 
-    assert sorted(get_args(Method)) == sorted(METHODS)
+    assert sorted(get_args(Method)) == sorted(("auto", *METHODS))  # auto: resolved at build
+    assert sorted(get_args(BuiltMethod)) == sorted(METHODS)
     assert sorted(get_args(DType)) == sorted(("auto", *DTYPES))
     assert sorted(get_args(Quantization)) == sorted(QUANTIZATIONS)
     assert sorted(get_args(TreeMode)) == sorted(TREE_MODES)

@@ -26,7 +26,9 @@ PROMPTS = [
 
 @pytest.fixture(scope="module")
 def pair():
-    spec = Engine.from_pretrained()  # the defaults: packaged pair, method="draft", auto K
+    # the packaged pair, auto K; the default method (auto) picks the shipped head for this
+    # target, which test_shipped_head_greedy_is_identical_and_speculates checks
+    spec = Engine.from_pretrained(method="draft")
     return spec, spec.with_method("none")
 
 
@@ -58,9 +60,11 @@ def test_default_pair_text_and_eos(pair):
 
 
 def test_default_pair_batched_answers_are_plain_answers(pair):
-    """Three prompts sharing every pass on three seats: each answer is plain decoding's."""
+    """Three prompts sharing every pass on three seats, by the default method (the shipped
+    head for this target): each answer is plain decoding's."""
     _, plain = pair
     batched = Engine.from_pretrained(max_num_seqs=3, max_context=1024)
+    assert batched.method == "eagle"
     params = SamplingParams(max_tokens=24, temperature=0.0)
     together = batched.generate(PROMPTS, params)
     for prompt, out in zip(PROMPTS, together, strict=True):

@@ -24,7 +24,9 @@ REPETITION_PENALTY_RANGE = (1e-6, 1e6)
 
 # The string modes callers choose from, as types; each is checked where it enters (the CLI,
 # the API, the builder) and tests hold each equal to the tuple its owner validates against.
-Method = Literal["none", "draft", "ngram", "suffix", "hybrid", "eagle"]  # engine/builder.py
+BuiltMethod = Literal["none", "draft", "ngram", "suffix", "hybrid", "eagle"]  # engine/builder.py
+# what a caller may ask for: a method, or "auto" (the default: engine/method_choice.py)
+Method = Literal["auto", "none", "draft", "ngram", "suffix", "hybrid", "eagle"]
 TreeMode = Literal["off", "on", "auto"]  # whether a drafter's rounds may draft token trees
 TREE_MODES: tuple[TreeMode, ...] = ("off", "on", "auto")
 DType = Literal["auto", "float32", "bfloat16", "float16"]  # auto: bf16 where native, else fp32

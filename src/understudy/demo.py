@@ -1,8 +1,9 @@
 """`make demo`: the same prompt decoded plainly and speculatively, side by side.
 
-Loads the packaged default pair (fetched and converted on first use, cached after), runs
-method="none", method="draft" (the default) and method="eagle" (the head the package ships)
-on one code prompt, greedy, and prints the outputs, whether each speculative one is
+Loads the packaged default target (fetched and converted on first use, cached after) and
+runs method="none", the default (method="auto": for this target the head the package ships,
+method="eagle") and method="draft" (the 0.5B draft model) on one code prompt, greedy, and
+prints the outputs, whether each speculative one is
 identical to plain decoding's, its measured speedup, and beside it the speedup the theory
 predicts for this machine (policy/theory.py): that engine's measured costs, the run's
 acceptance and K.
@@ -37,18 +38,18 @@ def main(max_tokens: int = 96) -> None:
     console.print(
         "[bold]understudy demo[/bold]: loading the default pair (first run fetches and converts it)"
     )
+    default = Engine.from_pretrained()  # method="auto": here the shipped head (no draft model)
     spec = Engine.from_pretrained(method="draft")
-    head = Engine.from_pretrained(method="eagle")  # the shipped head: no draft model
-    plain = spec.with_method("none")
+    plain = default.with_method("none")
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0)
-    for engine in (plain, spec, head):  # warm-up: first calls allocate and build
+    for engine in (plain, default, spec):  # warm-up: first calls allocate and build
         engine.generate(PROMPT, SamplingParams(max_tokens=8, temperature=0.0))
     results = {}
     origins: dict[str, list[str]] = {}  # per run: a round that drafted ends corrected or bonus
     runs = {
         "plain (method=none)": plain,
+        f"the default (method=auto: {default.method})": default,
         "speculative (method=draft)": spec,
-        "speculative (method=eagle)": head,
     }
     for name, engine in runs.items():
         console.rule(name)

@@ -58,8 +58,12 @@ def generate(
         typer.Option(help="Draft model (method=draft) or trained head folder (method=eagle)."),
     ] = None,
     method: Annotated[
-        Method, typer.Option(help="The drafter, or none (plain decoding).")
-    ] = "draft",
+        Method,
+        typer.Option(
+            help="The drafter, or none (plain decoding). auto: the target's own head where "
+            "one is found for it, else the draft model."
+        ),
+    ] = "auto",
     k: Annotated[
         str,
         typer.Option(

@@ -33,8 +33,12 @@ def serve(
     ] = None,
     draft: Annotated[str | None, typer.Option(help="Draft model (method=draft).")] = None,
     method: Annotated[
-        Method, typer.Option(help="The drafter, or none (plain decoding).")
-    ] = "draft",
+        Method,
+        typer.Option(
+            help="The drafter, or none (plain decoding). auto: the target's own head where "
+            "one is found for it, else the draft model."
+        ),
+    ] = "auto",
     k: Annotated[
         str,
         typer.Option(

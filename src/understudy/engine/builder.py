@@ -18,7 +18,7 @@ from typing import Literal
 
 import torch
 
-from understudy.config import DType, Method, Quantization, UnderstudyError
+from understudy.config import BuiltMethod, DType, Quantization, UnderstudyError
 from understudy.drafters import DRAFTERS
 from understudy.drafters.base import Drafter
 from understudy.engine.draft_setup import default_draft, load_draft, resolve_draft_quantization
@@ -46,7 +46,7 @@ METHODS = ("none", *DRAFTERS)
 class EngineSpec:
     """What to assemble, apart from the models: the method, K, the context and options."""
 
-    method: Method = "draft"
+    method: BuiltMethod = "draft"
     k: int | Literal["auto"] = "auto"
     max_context: int = 4096
     verify_rows: int | None = None  # rows of a target pass; default: the hardware's
@@ -89,7 +89,7 @@ class EngineParts:
     target: LoadedModel
     runner: Runner
     drafter: Drafter | None
-    method: Method
+    method: BuiltMethod
     num_speculative_tokens: int | Literal["auto"]
     max_context: int
     exact: bool

@@ -129,7 +129,7 @@ class Engine:
         cls,
         target: str | None = None,
         draft: str | None = None,
-        method: Method = "draft",
+        method: Method = "auto",
         num_speculative_tokens: int | str = "auto",
         dtype: DType | torch.dtype = "auto",
         max_context: int = 4096,
@@ -146,11 +146,14 @@ class Engine:
         draft, or "q8_0" / "q4_0" for eagle's head in GGUF blocks (engine/draft_setup.py);
         none of them can change the output.
         `quantization`: "auto" (a GGUF runs from its own blocks on a CPU), "gguf" or "none"
-        (dense, in `dtype`). `max_num_seqs`: sequences decoded together (seats), or "auto"."""
+        (dense, in `dtype`). `max_num_seqs`: sequences decoded together (seats), or "auto".
+        `method`: "auto" (the default) is the target's own head where one is found for it,
+        else the draft model (engine/method_choice.py); `engine.method` says which."""
         from understudy.engine.builder import EngineSpec, assemble, load_models
+        from understudy.engine.method_choice import resolve_method
 
         spec = EngineSpec(
-            method=method,
+            method=resolve_method(method, target, draft)[0],
             k=parse_num_speculative_tokens(num_speculative_tokens),
             max_context=max_context,
             verify_rows=verify_rows,

@@ -36,6 +36,7 @@ from understudy.engine.draft_setup import (
     default_draft,
     resolve_draft_quantization,
 )
+from understudy.engine.method_choice import resolve_method
 from understudy.engine.pass_shape import target_pass_shape
 from understudy.engine.seats import kv_bytes
 from understudy.kernels import qgemm
@@ -339,6 +340,13 @@ def method_verdicts(target: Weightless, draft: DraftVerdict) -> tuple[list[Metho
     return verdicts, head
 
 
+def default_verdict(spec: str, draft: str | None, methods: list[MethodVerdict]) -> MethodVerdict:
+    """What method="auto", the default, builds for this target (engine/method_choice.py)."""
+    method, why = resolve_method("auto", spec, draft)
+    runs = next(m.runs for m in methods if m.method == method)
+    return MethodVerdict("auto", runs, f"the default: method {method} ({why})")
+
+
 def inspect_model(
     spec: str,
     draft: str | None = None,
@@ -362,6 +370,7 @@ def inspect_model(
     shape = passes(target, max_context)
     verdict, _ = draft_verdict(target, draft, shape["context"], build)
     methods, head = method_verdicts(target, verdict)
+    methods.insert(0, default_verdict(spec, draft, methods))
     model = target.loaded.model
     return InspectReport(
         model=spec,
