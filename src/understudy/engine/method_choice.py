@@ -7,12 +7,11 @@ model. Decided once, when the engine is built, from what exists:
       or the package's own, trained on this very file
     otherwise                                          -> "draft"
 
-Why the head first (docs/eagle.md, measured on a 2-core Zen 4): the packaged head beat the
-0.5B draft model in every bench run of 2026-12-07 (decode 1.43-1.73x plain against
-1.35-1.55x, the head drafting chains; with its default trees too, 1.63x against 1.51x), by
-far on editing prompts and level on completion; it holds no second model's weights and does
-not prefill every prompt a second time. An engine that chose between the two itself, per
-round or per request, lost to the head alone (docs/history.md), so the choice is this rule.
+Why the head first (measured in docs/eagle.md): on a 2-core Zen 4 the packaged head ran
+ahead of the 0.5B draft model or level with it in every bench run over completion, chat and
+editing prompts, far ahead on editing, behind on completion and chat; and it holds no second
+model's weights nor prefills every prompt a second time. An engine that learnt to choose
+between the two, per round or per request, lost to the head alone (docs/history.md).
 Under either method a round that does not pay drafts nothing (automatic K's K = 0): the
 engine then decodes plainly.
 
