@@ -281,5 +281,6 @@ def test_packaged_target():
         counted[group.type] += group.count
     assert counted == kinds
     assert report.draft.compatible and report.draft.model == "qwen2.5-coder-0.5b"
+    assert report.methods[0].why.startswith("the default: method eagle")  # the head it ships
     element = torch.float32.itemsize if report.path == "blocks" else 2
     assert report.kv_bytes_per_token == 2 * 28 * 2 * 128 * element  # K and V, layers, kv heads
