@@ -40,6 +40,7 @@ from understudy.engine.prompts import Prompt, encode_prompt, is_batch
 from understudy.engine.request import Seat
 from understudy.engine.scheduler import LoopSetup, Scheduler
 from understudy.engine.seats import make_seats
+from understudy.kernels.openmp import release_thread_team
 from understudy.models.runner import Runner
 from understudy.policy.costs import Costs
 from understudy.policy.planner import PlanRules
@@ -148,7 +149,9 @@ class Engine:
         `quantization`: "auto" (a GGUF runs from its own blocks on a CPU), "gguf" or "none"
         (dense, in `dtype`). `max_num_seqs`: sequences decoded together (seats), or "auto".
         `method`: "auto" (the default) is the target's own head where one is found for it,
-        else the draft model (engine/method_choice.py); `engine.method` says which."""
+        else the draft model (engine/method_choice.py); `engine.method` says which.
+        The calling thread's OpenMP team ends with the build, so an engine built on one
+        thread and run on another (the server's worker) has the process's only team."""
         from understudy.engine.builder import EngineSpec, assemble, load_models
         from understudy.engine.method_choice import resolve_method
 
@@ -162,7 +165,9 @@ class Engine:
             max_num_seqs=max_num_seqs,
         )
         models = load_models(target, draft, spec, dtype, device, quantization)
-        return cls(assemble(models, spec, draft))
+        engine = cls(assemble(models, spec, draft))
+        release_thread_team()  # the thread that runs it holds the only team (kernels/openmp.py)
+        return engine
 
     @classmethod
     def from_parts(cls, parts: EngineParts) -> Engine:
