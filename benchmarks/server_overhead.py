@@ -31,6 +31,7 @@ from understudy import Engine, SamplingParams
 from understudy.bench.config import environment
 from understudy.bench.prompts import load_prompts
 from understudy.bench.server_process import ServerUnderTest
+from understudy.bench.serving import send
 
 
 def thread_switches(pid: int) -> int:
@@ -45,22 +46,6 @@ def thread_switches(pid: int) -> int:
 
 def own_switches() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_nvcsw
-
-
-def streamed(client: httpx.Client, url: str, body: dict) -> tuple[str, float, float]:
-    """One streamed completion: its text, seconds to the first text, seconds in all."""
-    t0 = time.perf_counter()
-    first, pieces = None, []
-    with client.stream("POST", url, json=body) as response:
-        response.raise_for_status()
-        for line in response.iter_lines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            for choice in json.loads(line[6:]).get("choices") or []:
-                if choice.get("text"):
-                    first = first or time.perf_counter() - t0
-                    pieces.append(choice["text"])
-    return "".join(pieces), first or 0.0, time.perf_counter() - t0
 
 
 def main() -> None:
@@ -90,19 +75,19 @@ def main() -> None:
         url = server.url + "/v1/completions"
         body = {"model": model, "max_tokens": args.max_tokens, "temperature": 0.0,
                 "ignore_eos": True, "stream": True}  # fmt: skip
-        streamed(client, url, {**body, "prompt": prompts[0].prompt})  # warm-up
+        send(client, url, {**body, "prompt": prompts[0].prompt})  # warm-up
         for prompt in prompts:
             switches, t0 = own_switches(), time.perf_counter()
             out = engine.generate(prompt.prompt, params)
             api_s, api_switches = time.perf_counter() - t0, own_switches() - switches
             switches = thread_switches(server.proc.pid)
-            text, ttft, server_s = streamed(client, url, {**body, "prompt": prompt.prompt})
+            reply = send(client, url, {**body, "prompt": prompt.prompt})
             server_switches = thread_switches(server.proc.pid) - switches
             tokens = len(out.token_ids)
             rows.append({
-                "id": prompt.id, "tokens": tokens, "identical": text == out.text,
-                "api_tok_s": tokens / api_s, "server_tok_s": tokens / server_s,
-                "server_over_api": api_s / server_s, "server_ttft_s": ttft,
+                "id": prompt.id, "tokens": tokens, "identical": reply.text == out.text,
+                "api_tok_s": tokens / api_s, "server_tok_s": tokens / reply.latency_s,
+                "server_over_api": api_s / reply.latency_s, "server_ttft_s": reply.ttft_s or 0.0,
                 "api_switches_per_token": api_switches / tokens,
                 "server_switches_per_token": server_switches / tokens,
             })  # fmt: skip
