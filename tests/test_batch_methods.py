@@ -94,8 +94,13 @@ def test_every_method_batches_each_answer_its_solo_answer(tiny_pair, head, name)
 
 def test_rounds_of_a_batched_tree_engine_are_trees(tiny_pair, head):
     """tree="on" stays trees in a batch (it used to become chains): each round reported to
-    on_round for a greedy sequence of the batch has parents."""
-    engine = build(tiny_pair, head, "eagle-tree", seats=3)
+    on_round for a greedy sequence of the batch has parents (the head's rounds: free ones,
+    drafters/free_first.py, are chains, so they are off here)."""
+    target, draft = tiny_pair
+    engine = Engine.from_pretrained(
+        target, method="eagle", num_speculative_tokens=3, dtype="float32", max_num_seqs=3,
+        max_context=512, draft=str(head), tree="on", free_drafts="off",
+    )  # fmt: skip
     rounds = []
     scheduler = engine.scheduler
     params = SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True)

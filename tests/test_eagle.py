@@ -72,6 +72,7 @@ def test_greedy_tree_identity(trained, k, branching):
         num_speculative_tokens=k,
         tree="on",
         tree_branching=branching,
+        free_drafts="off",  # the head's own rounds: free ones are chains (test_free_first.py)
     )
     assert engine.tree and engine.exact
     plain = engine.with_method("none")
@@ -184,6 +185,7 @@ def test_doubt_ends_rounds_and_keeps_identity(trained):
             dtype="float32",
             verify_rows=16,
             tree="off",
+            free_drafts="off",  # the head's own rounds alone
             **options,
         )
         engine.costs = Costs(draft_step=0.3, row=0.0)

@@ -63,6 +63,9 @@ class Proposal:
     # parents[i] = i - 1. Tree drafts are deterministic (draft_probs is None): siblings are
     # verified one by one.
     parents: torch.Tensor | None = None
+    # guesses read off the text itself in place of the drafter's own (drafters/free_first.py):
+    # the round planner learns only from the drafter's rounds
+    free: bool = False
 
     @property
     def size(self) -> int:

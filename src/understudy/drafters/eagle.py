@@ -25,6 +25,11 @@ in ONE step as pairs (their parent's predicted feature, their token), each atten
 the real pairs and its own ancestors (`EagleHead.tree_step`); their predictions score
 their children. The nodes' pairs sit past the head's real pairs and are forgotten after
 the round, so the invariant above holds.
+
+Free guesses first (option free_drafts, default "ngram"; drafters/free_first.py): where the
+text already holds what follows, a round drafts it by lookup, at no draft cost, instead of
+the head's guesses. The head learns those tokens' real features after verification like any
+kept token's (the catch-up above), so the invariant holds across such rounds too.
 """
 
 from __future__ import annotations
@@ -40,6 +45,7 @@ from understudy.cache import cache_dir
 from understudy.config import SamplingParams, TreeMode, UnderstudyError
 from understudy.drafters.base import EMPTY, Proposal, Traits, register
 from understudy.drafters.calibration import DoubtRules, RoundRecord, chain_and_tree_options
+from understudy.drafters.free_first import FreeFirst, free_drafter
 from understudy.drafters.tree_search import BestFirstTree, tree_log_scores
 from understudy.models.block_linears import BLOCK_SCHEMES, block_linears
 from understudy.models.eagle_head import CONFIG_FILE, EagleHead, read_head_config
@@ -47,6 +53,7 @@ from understudy.models.head_file import file_sha256, load_any_head, read_packed,
 from understudy.models.loader import LoadedModel
 from understudy.models.quant import quantize_model
 from understudy.models.transformer import Transformer
+from understudy.policy.costs import Costs
 from understudy.verify.sampling import sample, warp_probs
 
 # head cache slots past the real pairs, for a tree's nodes (a round stops growing its tree
@@ -140,15 +147,21 @@ class EagleProposer(DoubtRules):
             "tree_branching": 4,
             "draft_confidence": 0.0,
             "draft_path_confidence": "auto",
+            # a round from the text itself where it pays more than the head's (free_first.py):
+            # n-gram lookup, the request's own text alone (measured on 24 prompts on a Zen 4,
+            # decode-only: 1.50x -> 1.65x plain, editing 1.60x -> 1.98x; suffix 1.62x)
+            "free_drafts": "ngram",
         }
         opts, tree, branching, confidence, path = chain_and_tree_options("eagle", options, defaults)
+        free = free_drafter(opts["free_drafts"])
         if opts["head"] is not None and not isinstance(opts["head"], str):
             raise UnderstudyError(f"head must be a folder or a file (a path), got {opts['head']!r}")
         found = find_head(target, opts["head"])
         assert isinstance(target.model, Transformer)  # as find_head: refused on a FallbackLM
         head = load_any_head(found, target.model)
         target.model.feature_layers = head.cfg.feature_layers  # what its runner keeps
-        return cls(head, max_context, tree, branching, confidence, path)
+        free_first = None if free is None else FreeFirst(free)
+        return cls(head, max_context, tree, branching, confidence, path, free_first)
 
     def __init__(
         self,
@@ -158,6 +171,7 @@ class EagleProposer(DoubtRules):
         branching: int = 4,
         confidence: float | None = 0.0,
         path_confidence: float | None = 0.0,
+        free_first: FreeFirst | None = None,
     ) -> None:
         self.head = head
         hidden = head.cfg.hidden_size
@@ -168,6 +182,12 @@ class EagleProposer(DoubtRules):
         self.tree = tree  # "off", "on" or "auto" (the engine decides each round)
         self.branching = branching
         self.init_doubt(confidence, path_confidence)
+        self.free_first = free_first  # free guesses where they pay more (free_first.py)
+
+    def settle(self, costs: Costs, automatic_k: bool) -> None:
+        super().settle(costs, automatic_k)
+        if self.free_first is not None:
+            self.free_first.settle(costs)
 
     def quantize(self, scheme: str) -> None:
         """Quantize the head's linears, its LM rows included (models/quant.py), in place. It
@@ -183,6 +203,8 @@ class EagleProposer(DoubtRules):
         self.known = 0
         self.head.truncate(0)
         self.record = RoundRecord()
+        if self.free_first is not None:
+            self.free_first.begin(prompt_ids)
 
     def observe_hidden(self, hidden: torch.Tensor, start: int) -> None:
         """What the target's runner kept [n, feature_size] of positions start..start+n-1
@@ -211,10 +233,23 @@ class EagleProposer(DoubtRules):
         q[self.vocab] = q_draft[0]
         return int(self.vocab[index]), q, float(q_draft[0, index])
 
+    def _free_guesses(self, tokens: list[int], k: int) -> Proposal | None:
+        """The round's free guesses, where they pay more than the head's (None: the head
+        drafts). The head sees their real features after verification, as any kept token's."""
+        if self.free_first is None:
+            return None
+        guesses = self.free_first.offer(tokens, k)
+        if not guesses:
+            return None
+        return Proposal(torch.tensor(guesses, dtype=torch.long), None, free=True)  # q one-hot
+
     @torch.inference_mode()
     def propose(
         self, tokens: list[int], k: int, params: SamplingParams, generator: torch.Generator
     ) -> Proposal:
+        free = self._free_guesses(tokens, k)
+        if free is not None:
+            return free
         head, real = self.head, len(tokens) - 1
         predicted = self._catch_up(tokens)  # [hidden] f^ for the position of tokens[-1]
         ids: list[int] = []
@@ -236,6 +271,8 @@ class EagleProposer(DoubtRules):
         head.truncate(real)
         if self.stops_by_confidence:
             self.record.remember(tokens, ids, own_probs)
+        if self.free_first is not None:
+            self.free_first.head_round(tokens, len(ids), len(ids))
         return Proposal(torch.tensor(ids, dtype=torch.long), torch.stack(probs) if probs else None)
 
     def _catch_up(self, tokens: list[int]) -> torch.Tensor:
@@ -260,6 +297,9 @@ class EagleProposer(DoubtRules):
         docstring); draft_probs is None (children are the head's top-b guesses)."""
         if depth < 1 or nodes < 1:
             return EMPTY
+        free = self._free_guesses(tokens, depth)
+        if free is not None:
+            return free  # a chain: the round's pass takes it as one
         head, real = self.head, len(tokens) - 1
         root = self._catch_up(tokens)  # [hidden]
         base = real - 1  # the root's pair (f_{real-1}, tokens[-1]) sits at this slot
@@ -268,6 +308,7 @@ class EagleProposer(DoubtRules):
         tree = BestFirstTree(nodes, self.branching)
         tree.grow([-1], tree_log_scores(head.draft_logits(root[None]), params), self.vocab)
         predicted = {-1: root}  # candidate -> the head's prediction after it, once fed
+        steps = 1
         for _ in range(1, depth):
             expand = tree.expansion()
             if not expand or tree.fed + len(expand) > room:
@@ -283,19 +324,27 @@ class EagleProposer(DoubtRules):
             )  # [e, hidden]
             predicted.update(zip(expand, out, strict=True))
             tree.grow(expand, tree_log_scores(head.draft_logits(out), params), self.vocab)
+            steps += 1
         head.truncate(real)
-        return tree.proposal()
+        proposal = tree.proposal()
+        if self.free_first is not None:
+            self.free_first.head_round(tokens, proposal.size, steps)
+        return proposal
 
     def commit(self, tokens: list[int]) -> None:
         """Nothing to roll back (`propose` leaves only real pairs in the head's cache); the
-        calibration learns how many of the latest chain round's guesses were kept."""
+        calibration learns how many of the latest chain round's guesses were kept, and free
+        drafting what the round yielded."""
         self.record.judge(tokens)
+        if self.free_first is not None:
+            self.free_first.commit(tokens)
 
     def for_seat(self, index: int) -> EagleProposer:
         """The same trained head (weights shared) with a KV cache and features of its own."""
         slots = self.features.shape[0] + TREE_SLOTS
+        free_first = None if self.free_first is None else self.free_first.for_seat(index)
         drafter = EagleProposer(head_with_own_cache(self.head, slots), self.features.shape[0] - 1,
-                                self.tree, self.branching)  # fmt: skip
+                                self.tree, self.branching, free_first=free_first)  # fmt: skip
         drafter.settled_like(self)
         return drafter
 

@@ -72,10 +72,12 @@ class Running:
         return 0 if runner is None else max(len(self.request.tokens) - runner.length, 0)
 
     def observe(self, verified: Verified, draft_s: float, verify_s: float) -> None:
-        """A verified round: the planner learns from it, the stats count it."""
+        """A verified round: the planner learns from it (unless its guesses were free ones,
+        not the drafter's: Proposal.free), the stats count it."""
         proposal = verified.proposal
         kept = len(verified.kept)
-        self.planner.observe(proposal.parents is not None, proposal.size, kept, verified.depth)
+        if not proposal.free:
+            self.planner.observe(proposal.parents is not None, proposal.size, kept, verified.depth)
         self.recorder.round(proposal.size, kept, draft_s, verify_s)
         self.rounds += 1
 

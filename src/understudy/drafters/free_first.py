@@ -1,0 +1,153 @@
+"""Free guesses first: a round of a model drafter drafted from the text itself, where that pays.
+
+Editing, summarising and answers that quote their context repeat runs of tokens already in
+the text. A suffix trie (or n-gram lookup) finds such a run at no draft cost; a trained head
+guesses it one token at a time, at c of a target pass a guess, and keeps fewer of it. So each
+round, before the head drafts, the free drafter (drafters/suffix.py, drafters/ngram.py)
+offers guesses g_1..g_f from a match of length m, and the round takes the first j of them
+instead of the head's when their modelled rate beats the head's measured one:
+
+    free rate   max over j of (1 + a + a^2 + ... + a^j) / T(j + 1)
+                a: P(a free guess is kept | the bucket of m), learnt per request from the
+                verdicts, from the priors of method="hybrid" (drafters/hybrid.py)
+    head rate   tokens the head's own rounds emitted / their modelled cost, steps * c +
+                T(rows + 1), decayed, learnt per request from a prior
+
+(T: the engine's measured pass curve, policy/costs.py). The idea is SAM-decoding's (Hu et
+al. 2024: a suffix automaton's drafts beside EAGLE's); the rule is ours.
+
+Lossless: free guesses are deterministic (q = one-hot) and verified like any chain; the
+choice reads only verified history, and only the request's own (with "ngram"; "suffix" also
+reads earlier requests' text): a seeded answer is the same whenever it is asked. A free round's Proposal says so (`free`), and the
+round planner (automatic K, tree or chain) learns only from the head's own rounds.
+"""
+
+from __future__ import annotations
+
+from typing import Literal, Protocol
+
+from understudy.config import UnderstudyError
+from understudy.drafters.hybrid import DECAY, FREE_PRIOR, PRIOR_WEIGHT, bucket
+from understudy.drafters.ngram import NgramProposer
+from understudy.drafters.suffix import SuffixProposer
+from understudy.policy.costs import Costs
+
+FreeKind = Literal["off", "suffix", "ngram"]
+FREE_KINDS: tuple[FreeKind, ...] = ("off", "suffix", "ngram")
+# the head's rate before it has drafted a round: tokens a pass-equivalent, weighed as one round
+# (between a plain pass's 1 and the 2-2.6 tokens a pass the shipped head's rounds keep)
+HEAD_PRIOR_RATE = 1.5
+
+
+class FreeDrafter(Protocol):
+    """What free-first drafting needs of a free drafter (NgramProposer, SuffixProposer)."""
+
+    def begin(self, prompt_ids: list[int]) -> None: ...
+
+    def draft(self, tokens: list[int], k: int) -> tuple[list[int], int]:
+        """Up to k guesses for what follows `tokens`, and the length of their match."""
+        ...
+
+    def commit(self, tokens: list[int]) -> None: ...
+
+    def for_seat(self, index: int) -> FreeDrafter: ...
+
+
+def free_drafter(kind: FreeKind) -> FreeDrafter | None:
+    """The free drafter `kind` names, with its method's defaults (None for "off")."""
+    if kind not in FREE_KINDS:
+        raise UnderstudyError(f"free_drafts must be one of {', '.join(FREE_KINDS)}, got {kind!r}")
+    if kind == "suffix":
+        return SuffixProposer()
+    if kind == "ngram":
+        return NgramProposer()
+    return None
+
+
+class FreeFirst:
+    """The free drafter, what its guesses and the head's rounds have yielded, and the choice
+    between them (module docstring). Call order per request: begin, then each round `offer`
+    (and `head_round` when the head drafted instead), then `commit`."""
+
+    def __init__(self, free: FreeDrafter, costs: Costs | None = None) -> None:
+        self.free = free
+        self.costs = costs or Costs()
+        self.rounds = {"free": 0, "head": 0}  # rounds of each kind, all requests
+        self._reset_estimates()
+        self._pending: tuple[str, int, list[int], int] | None = None
+
+    def settle(self, costs: Costs) -> None:
+        self.costs = costs
+
+    def for_seat(self, index: int) -> FreeFirst:
+        """Its own free drafter's request state (a suffix cache across requests stays
+        shared) and the same costs."""
+        return FreeFirst(self.free.for_seat(index), self.costs)
+
+    def _reset_estimates(self) -> None:
+        self.hits = [p * PRIOR_WEIGHT for p in FREE_PRIOR]
+        self.tries = [PRIOR_WEIGHT] * len(FREE_PRIOR)
+        self.head_tokens = HEAD_PRIOR_RATE  # decayed tokens the head's rounds emitted
+        self.head_cost = 1.0  # decayed modelled cost of those rounds, in target passes
+
+    def begin(self, prompt_ids: list[int]) -> None:
+        self.free.begin(prompt_ids)
+        self._reset_estimates()
+        self._pending = None
+
+    def head_rate(self) -> float:
+        """Tokens a target-pass-equivalent of the head's rounds (decayed, with its prior)."""
+        return self.head_tokens / self.head_cost
+
+    def best_free(self, guesses: int, match_len: int) -> tuple[int, float]:
+        """(j, rate): how many of `guesses` free guesses to draft for the most tokens a
+        pass-equivalent, and that rate (j = 0: none, the rate of a plain pass)."""
+        b = bucket(match_len)
+        alpha = self.hits[b] / self.tries[b]
+        best, best_rate = 0, 1.0
+        gain, reach = 1.0, 1.0
+        for j in range(1, guesses + 1):
+            reach *= alpha
+            gain += reach
+            rate = gain / self.costs.pass_cost(j)
+            if rate > best_rate:
+                best, best_rate = j, rate
+        return best, best_rate
+
+    def offer(self, tokens: list[int], k: int) -> list[int]:
+        """The free guesses this round drafts instead of the head's (empty: the head drafts,
+        then `head_round` says what it drafted)."""
+        guesses, match_len = self.free.draft(tokens, k)
+        j, rate = self.best_free(len(guesses), match_len)
+        if j and rate > self.head_rate():
+            self._pending = ("free", len(tokens), guesses[:j], bucket(match_len))
+            self.rounds["free"] += 1
+            return guesses[:j]
+        self._pending = None
+        return []
+
+    def head_round(self, tokens: list[int], rows: int, steps: int) -> None:
+        """The head drafted this round: `rows` guesses (a tree's nodes) in `steps` steps."""
+        self._pending = ("head", len(tokens), [rows], steps)
+        self.rounds["head"] += 1
+
+    def commit(self, tokens: list[int]) -> None:
+        """The round's verdict (`tokens`: the sequence as it now stands): learn from it."""
+        self.free.commit(tokens)
+        if self._pending is None:
+            return
+        kind, start, ids, extra = self._pending
+        self._pending = None
+        emitted = len(tokens) - start  # the kept guesses and the target's own token
+        if kind == "head":
+            cost = extra * self.costs.draft_step + self.costs.pass_cost(ids[0])
+            self.head_tokens = self.head_tokens * DECAY + emitted
+            self.head_cost = self.head_cost * DECAY + cost
+            return
+        kept = emitted - 1
+        b = extra
+        self.hits[b] *= DECAY
+        self.tries[b] *= DECAY
+        for i in range(min(len(ids), kept + 1)):  # guesses judged: the kept ones, one missed
+            self.tries[b] += 1.0
+            self.hits[b] += 1.0 if i < kept else 0.0
