@@ -150,6 +150,7 @@ def test_inference_sees_what_training_saw(trained):
     engine = Engine.from_pretrained(
         target=target, method="eagle", draft=str(folder), dtype="float32",
         num_speculative_tokens=3, tree="off", draft_quantization=None,
+        free_drafts="off",  # every round the head's own
     )  # fmt: skip
     params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
     model = load_model(target, "float32").model

@@ -498,30 +498,40 @@ def test_sparkline() -> None:
 
 def test_the_demo_sets_the_prediction_beside_the_measurement() -> None:
     from understudy.demo import machine_bound
-    from understudy.engine.stats import GenerationStats
+    from understudy.engine.outputs import RoundEvent
     from understudy.policy.costs import Costs, PassCurve
+
+    def kept_rounds(n: int, k: int, free: bool = False) -> list[RoundEvent]:
+        """n rounds of k guesses each, every guess kept."""
+        return [RoundEvent(i, [7] * k, k, 7, "bonus", free=free) for i in range(n)]
+
+    def plain_rounds(n: int) -> list[RoundEvent]:
+        return [RoundEvent(i, [], 0, 7, "target") for i in range(n)]
 
     curve = (1.0, 1.1, 1.2, 1.3, 1.4, 1.5, 1.6, 1.7)
     measured = PassCurve(tuple(range(1, len(curve) + 1)), curve)
     costs = Costs(draft_step=0.25, row=0.1, pass_curve=measured)
-    # every guess kept (a = 1), 54 guesses over 10 rounds, all drafting: K = round(5.4) = 5,
-    # E = 6 tokens; a round costs 5 * 0.25 + T(6) = 1.25 + 1.5 = 2.75 -> 6 / 2.75 = 2.18x,
-    # and 6 / (1.25 + 1) = 2.67x if the 6-row pass cost one one-row pass
-    stats = GenerationStats("draft", "auto", rounds=10, drafted=54, accepted=54, acceptance_rate=1)
-    line = machine_bound(costs, stats, 10, 1.53)
+    # every guess kept (a = 1), 50 guesses over 10 rounds, all drafting: K = 5, E = 6 tokens;
+    # a round costs 5 * 0.25 + T(6) = 1.25 + 1.5 = 2.75 -> 6 / 2.75 = 2.18x, and
+    # 6 / (1.25 + 1) = 2.67x if the 6-row pass cost one one-row pass
+    line = machine_bound(costs, kept_rounds(10, 5), 1.53)
     assert "c = 0.25" in line and "a pass of 6 rows 1.50" in line
     assert "acceptance 100% and K = 5 (the mean of the 10 of 10 rounds that drafted)" in line
     assert "2.18x[/bold] predicted, 1.53x measured (2.67x if rows were free)" in line
-    padded = machine_bound(Costs(draft_step=0.25), stats, 10, 1.53)
+    padded = machine_bound(Costs(draft_step=0.25), kept_rounds(10, 5), 1.53)
     assert "padded passes" in padded and "2.67x[/bold] predicted" in padded
     # 3 of 10 rounds drafted 2 guesses each, all kept; 7 rounds of plain decoding:
     # tokens 7 + 3 * 3 = 16, passes 7 + 3 * (2 * 0.25 + T(3) = 1.7) = 12.1 -> 1.32x;
     # with free rows 7 + 3 * 1.5 = 11.5 -> 1.39x
-    rare = GenerationStats("draft", "auto", rounds=10, drafted=6, accepted=6, acceptance_rate=1)
-    line = machine_bound(costs, rare, 3, 1.2)
+    line = machine_bound(costs, kept_rounds(3, 2) + plain_rounds(7), 1.2)
     assert (
         "K = 2 (the mean of the 3 of 10 rounds that drafted, 1 token a pass in the other 7)" in line
     )
     assert "1.32x[/bold] predicted, 1.20x measured (1.39x if rows were free)" in line
-    idle = GenerationStats("draft", "auto", rounds=10)
-    assert "drafted nothing" in machine_bound(costs, idle, 0, 1.0)
+    # free guesses cost no draft step: 3 drafted rounds as above (9 tokens, 5.1 passes) and 2
+    # rounds of 4 free guesses, all kept (10 tokens, 2 * T(5) = 2.8 passes) -> 19 / 7.9 = 2.41x;
+    # rows free: 19 / (3 * 1.5 + 2) = 2.92x
+    line = machine_bound(costs, kept_rounds(3, 2) + kept_rounds(2, 4, free=True), 1.9)
+    assert "2 rounds of free guesses (c = 0) at 100%, K = 4" in line
+    assert "2.41x[/bold] predicted, 1.90x measured (2.92x if rows were free)" in line
+    assert "drafted nothing" in machine_bound(costs, plain_rounds(10), 1.0)

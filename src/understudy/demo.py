@@ -6,18 +6,19 @@ method="eagle") and method="draft" (the 0.5B draft model) on one code prompt, gr
 prints the outputs, whether each speculative one is
 identical to plain decoding's, its measured speedup, and beside it the speedup the theory
 predicts for this machine (policy/theory.py): that engine's measured costs, the run's
-acceptance and K.
+acceptance and K, its rounds of free guesses (method eagle's free_drafts) apart.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 from rich.console import Console
 from rich.table import Table
 
 from understudy.config import SamplingParams
-from understudy.engine.emitter import TokenEvent
 from understudy.engine.engine import Engine
-from understudy.engine.stats import GenerationStats
+from understudy.engine.outputs import RoundEvent
 from understudy.policy.costs import Costs
 from understudy.policy.theory import (
     PassCost,
@@ -45,7 +46,7 @@ def main(max_tokens: int = 96) -> None:
     for engine in (plain, default, spec):  # warm-up: first calls allocate and build
         engine.generate(PROMPT, SamplingParams(max_tokens=8, temperature=0.0))
     results = {}
-    origins: dict[str, list[str]] = {}  # per run: a round that drafted ends corrected or bonus
+    rounds: dict[str, list[RoundEvent]] = {}  # per run: every round, as the Lab sees it
     runs = {
         "plain (method=none)": plain,
         f"the default (method=auto: {default.method})": default,
@@ -54,13 +55,12 @@ def main(max_tokens: int = 96) -> None:
     for name, engine in runs.items():
         console.rule(name)
         console.print(PROMPT, end="", style="dim", markup=False)
-        seen = origins[name] = []
-
-        def show(event: TokenEvent, seen: list[str] = seen) -> None:
+        seen = rounds[name] = []
+        stream = engine.stream(PROMPT, params, on_round=seen.append)
+        for event in stream:
             console.print(event.text, style=STYLE[event.origin], end="", markup=False)
-            seen.append(event.origin)
-
-        results[name] = engine.generate(PROMPT, params, on_token=show)
+        assert stream.output is not None  # set once the stream is exhausted
+        results[name] = stream.output
         console.print()
     console.rule("summary")
     console.print("[green]accepted[/green] [yellow]corrected[/yellow] [cyan]bonus[/cyan] target")
@@ -86,35 +86,66 @@ def main(max_tokens: int = 96) -> None:
         console.rule(name)
         console.print(f"identical output: [bold]{'yes' if same else 'NO'}[/bold]")
         console.print(f"measured speedup: [bold]{measured:.2f}x[/bold]")
-        drafting = origins[name].count("corrected") + origins[name].count("bonus")
-        console.print(machine_bound(engine.costs, fast.stats, drafting, measured))
+        console.print(machine_bound(engine.costs, rounds[name], measured))
 
 
-def machine_bound(costs: Costs, stats: GenerationStats, drafting: int, measured: float) -> str:
+@dataclass(frozen=True)
+class RoundKind:
+    """A run's rounds of one kind that guessed: how many, their mean K and acceptance, and
+    what the theory makes of them at this machine's costs (c: 0 for free guesses)."""
+
+    rounds: int
+    k: int
+    acceptance: float
+    tokens: float  # E over these rounds
+    cost: float  # K·c + T(K+1) over these rounds
+    cost_flat: float  # the same with rows free
+
+    @staticmethod
+    def of(rounds: list[RoundEvent], c: float, passes: PassCost) -> RoundKind:
+        drafted = sum(len(r.drafted) for r in rounds)
+        k = max(1, round(drafted / len(rounds)))
+        rate = sum(r.accepted for r in rounds) / drafted
+        e = expected_tokens_per_round(alpha_from_acceptance_rate(rate, k), k)
+        n = len(rounds)
+        return RoundKind(n, k, rate, n * e, n * round_cost(k, c, passes), n * round_cost(k, c))
+
+
+def machine_bound(costs: Costs, rounds: list[RoundEvent], measured: float) -> str:
     """The theory at this machine's costs (c and the pass curve, measured when the engine was
     built) and the run's own acceptance and K, beside the measured speedup and Leviathan et
-    al.'s flat-pass figure, which leaves the rows' cost out. A round that drafted yields E and
-    costs K·c + T(K+1); one of the run's other `stats.rounds - drafting` rounds (the engine's
-    automatic K judged a guess not worth it there) yields 1 token for 1 pass."""
-    if drafting == 0 or stats.drafted == 0:
-        return "the theory: the engine drafted nothing in this run (speculation did not pay)"
+    al.'s flat-pass figure, which leaves the rows' cost out. A round the drafter drafted
+    yields E and costs K·c + T(K+1); a round of free guesses (read off the text:
+    RoundEvent.free) yields E at its own acceptance and K and costs T(K+1); each other round
+    (the engine's automatic K judged a guess not worth it there) 1 token for 1 pass."""
     passes = PassCost(row=costs.row, curve=costs.pass_curve.ratios)
-    c, plain = costs.draft_step, stats.rounds - drafting
-    k = max(1, round(stats.drafted / drafting))
-    tokens = plain + drafting * expected_tokens_per_round(
-        alpha_from_acceptance_rate(stats.acceptance_rate, k), k
-    )
-    predicted = tokens / (plain + drafting * round_cost(k, c, passes))
-    free = tokens / (plain + drafting * round_cost(k, c))
+    drafted = [r for r in rounds if r.drafted and not r.free]
+    free = [r for r in rounds if r.drafted and r.free]
+    plain = len(rounds) - len(drafted) - len(free)
+    kinds = [RoundKind.of(drafted, costs.draft_step, passes)] if drafted else []
+    kinds += [RoundKind.of(free, 0.0, passes)] if free else []
+    if not kinds:
+        return "the theory: the engine drafted nothing in this run (speculation did not pay)"
+    tokens = plain + sum(kind.tokens for kind in kinds)
+    predicted = tokens / (plain + sum(kind.cost for kind in kinds))
+    flat = tokens / (plain + sum(kind.cost_flat for kind in kinds))
+    first = kinds[0]
     how = "its measured pass curve" if costs.pass_curve else "padded passes: rows are free"
-    rest = f", 1 token a pass in the other {plain}" if plain else ""
+    parts = [] if not drafted else [f"the {first.rounds} of {len(rounds)} rounds that drafted"]
+    if free:
+        kind = kinds[-1]
+        parts.append(
+            f"{kind.rounds} rounds of free guesses (c = 0) at {kind.acceptance:.0%}, K = {kind.k}"
+        )
+    if plain:
+        parts.append(f"1 token a pass in the other {plain}")
     return (
-        f"this machine: a draft step costs c = {c:.2f} one-row target passes, "
-        f"a pass of {k + 1} rows {passes.rows(k + 1):.2f} ({how})\n"
-        f"the theory at the run's acceptance {stats.acceptance_rate:.0%} and K = {k} "
-        f"(the mean of the {drafting} of {stats.rounds} rounds that drafted{rest}): "
+        f"this machine: a draft step costs c = {costs.draft_step:.2f} one-row target passes, "
+        f"a pass of {first.k + 1} rows {passes.rows(first.k + 1):.2f} ({how})\n"
+        f"the theory at the run's acceptance {first.acceptance:.0%} and K = {first.k} "
+        f"(the mean of {', '.join(parts)}): "
         f"E / (K·c + T(K+1)) = [bold]{predicted:.2f}x[/bold] predicted, {measured:.2f}x "
-        f"measured ({free:.2f}x if rows were free)"
+        f"measured ({flat:.2f}x if rows were free)"
     )
 
 

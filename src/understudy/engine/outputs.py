@@ -21,6 +21,7 @@ class RoundEvent:
     origin: str  # of next_token: "corrected", "bonus" or "target" (nothing drafted)
     parents: list[int] | None = None  # a tree round: drafted[i] follows drafted[parents[i]]
     path: list[int] | None = None  # a tree round: the indices into drafted that were kept
+    free: bool = False  # the guesses were read off the text, not drafted (Proposal.free)
 
 
 @dataclass

@@ -113,6 +113,7 @@ def close_round(sequence: Running, verified: Verified) -> None:
             origin,
             parents,
             verified.path,
+            proposal.free,
         )  # fmt: skip
     )
     sequence.emit_round(verified, origin)
