@@ -148,8 +148,8 @@ class EagleProposer(DoubtRules):
             "draft_confidence": 0.0,
             "draft_path_confidence": "auto",
             # a round from the text itself where it pays more than the head's (free_first.py):
-            # n-gram lookup, the request's own text alone (measured on 24 prompts on a Zen 4,
-            # decode-only: 1.50x -> 1.65x plain, editing 1.60x -> 1.98x; suffix 1.62x)
+            # n-gram lookup: it reads the request's own text alone, and paid as much as the
+            # suffix trie, which also reads earlier requests' (docs/eagle.md)
             "free_drafts": "ngram",
         }
         opts, tree, branching, confidence, path = chain_and_tree_options("eagle", options, defaults)
