@@ -155,7 +155,7 @@ def test_tree_rounds_hand_the_head_the_kept_path(trained):
         features = head.input_features(sequence_data(model, [sequence])["kept"][0])  # [T, H]
     known = engine.drafter.known
     assert known >= len(sequence) - 2
-    torch.testing.assert_close(engine.drafter.features[:known], features[:known])
+    torch.testing.assert_close(engine.drafter.real_features(), features[:known])
 
 
 def test_doubt_ends_rounds_and_keeps_identity(trained):

@@ -176,7 +176,11 @@ class EagleProposer(DoubtRules):
         self.head = head
         hidden = head.cfg.hidden_size
         self.features = torch.zeros(max_context + 1, hidden)  # [P, hidden] f_p, real ones
-        self.known = 0  # features are valid for positions 0..known-1
+        self.known = 0  # features are valid for positions 0..known-1, once `pending` is in
+        # rows the target kept, (start, [n, feature_size]), not yet through the head's input
+        # layer: they go through it together when the head next drafts (`real_features`), so
+        # a sequence of a batch that drafts nothing for a while streams that layer once
+        self.pending: list[tuple[int, torch.Tensor]] = []
         head.allocate_cache(max_context + 1 + TREE_SLOTS)
         self.vocab = head.vocab.cpu()  # [N] draft vocabulary id -> target token id
         self.tree = tree  # "off", "on" or "auto" (the engine decides each round)
@@ -201,6 +205,7 @@ class EagleProposer(DoubtRules):
 
     def begin(self, prompt_ids: list[int]) -> None:
         self.known = 0
+        self.pending.clear()
         self.head.truncate(0)
         self.record = RoundRecord()
         if self.free_first is not None:
@@ -209,11 +214,25 @@ class EagleProposer(DoubtRules):
     def observe_hidden(self, hidden: torch.Tensor, start: int) -> None:
         """What the target's runner kept [n, feature_size] of positions start..start+n-1
         (its final hidden states, or its feature layers' outputs)."""
-        n = hidden.shape[0]
-        with torch.inference_mode():
-            self.features[start : start + n] = self.head.input_features(hidden).float().cpu()
-        self.known = start + n
+        self.pending.append((start, hidden.clone()))  # the runner's buffer is reused
+        self.known = start + hidden.shape[0]
         self.head.truncate(min(self.head.length, start))  # pairs past start used old features
+
+    @torch.inference_mode()
+    def real_features(self) -> torch.Tensor:
+        """f_p of positions 0..known-1 [known, hidden]: the pending rows through the head's
+        input layer in one call, written in the order they were observed (a later row of a
+        position replaces an earlier one)."""
+        if self.pending:
+            fused = self.head.input_features(torch.cat([h for _, h in self.pending]))
+            fused = fused.float().cpu()  # [rows, hidden]
+            offset = 0
+            for start, rows in self.pending:
+                n = rows.shape[0]
+                self.features[start : start + n] = fused[offset : offset + n]
+                offset += n
+            self.pending.clear()
+        return self.features[: self.known]
 
     def _guess(
         self, predicted: torch.Tensor, params: SamplingParams, generator: torch.Generator
@@ -280,9 +299,10 @@ class EagleProposer(DoubtRules):
         position of tokens[-1] [hidden] (whose logits guess the token after it)."""
         head, real = self.head, len(tokens) - 1  # pairs with real features: 0..real-1
         assert self.known >= real, (self.known, real)
+        features = self.real_features()
         start = head.length
         unseen = torch.tensor(tokens[start + 1 : real + 1])  # tokens of pairs start..real-1
-        return head.extend(unseen, self.features[start:real])[-1]
+        return head.extend(unseen, features[start:real])[-1]
 
     @torch.inference_mode()
     def propose_tree(
