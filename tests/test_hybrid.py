@@ -312,12 +312,12 @@ def test_the_plans_do_not_price_the_prompts_catch_up():
 def test_commit_learns_the_verdict():
     proposer = HybridProposer(StubFree([4, 5], 16), StubModel(6), 0.1)
     proposer.choose_mix = lambda k, free_len, match_len, unseen=0: (2, 0)
-    before = proposer.free_hits[bucket(16)] / proposer.free_tries[bucket(16)]
+    before = proposer.free_estimate.alpha(16)
     proposer.propose([9, 9], 2, SamplingParams(), torch.Generator())
     proposer.commit([9, 9, 4, 7])  # first guess kept, second rejected
-    after = proposer.free_hits[bucket(16)] / proposer.free_tries[bucket(16)]
+    after = proposer.free_estimate.alpha(16)
     assert after != before
-    tries = proposer.free_tries[bucket(16)]
+    tries = proposer.free_estimate.tries[bucket(16)]
     assert tries == pytest.approx(2.0 * 0.98 + 2)  # prior (decayed) + two guesses reached
 
 

@@ -27,7 +27,7 @@ from __future__ import annotations
 from typing import Literal, Protocol
 
 from understudy.config import UnderstudyError
-from understudy.drafters.hybrid import DECAY, FREE_PRIOR, PRIOR_WEIGHT, bucket
+from understudy.drafters.hybrid import DECAY, FreeAcceptance, bucket
 from understudy.drafters.ngram import NgramProposer
 from understudy.drafters.suffix import SuffixProposer
 from understudy.policy.costs import Costs
@@ -74,7 +74,10 @@ class FreeFirst:
         self.costs = costs or Costs()
         self.rounds = {"free": 0, "head": 0}  # rounds of each kind, all requests
         self._reset_estimates()
-        self._pending: tuple[str, int, list[int], int] | None = None
+        # the round awaiting its verdict: free (start, guesses, bucket) or the head's
+        # (start, modelled cost); at most one is set
+        self._free_round: tuple[int, int, int] | None = None
+        self._head_round: tuple[int, float] | None = None
 
     def settle(self, costs: Costs) -> None:
         self.costs = costs
@@ -85,15 +88,14 @@ class FreeFirst:
         return FreeFirst(self.free.for_seat(index), self.costs)
 
     def _reset_estimates(self) -> None:
-        self.hits = [p * PRIOR_WEIGHT for p in FREE_PRIOR]
-        self.tries = [PRIOR_WEIGHT] * len(FREE_PRIOR)
+        self.estimate = FreeAcceptance()
         self.head_tokens = HEAD_PRIOR_RATE  # decayed tokens the head's rounds emitted
         self.head_cost = 1.0  # decayed modelled cost of those rounds, in target passes
 
     def begin(self, prompt_ids: list[int]) -> None:
         self.free.begin(prompt_ids)
         self._reset_estimates()
-        self._pending = None
+        self._free_round = self._head_round = None
 
     def head_rate(self) -> float:
         """Tokens a target-pass-equivalent of the head's rounds (decayed, with its prior)."""
@@ -102,8 +104,7 @@ class FreeFirst:
     def best_free(self, guesses: int, match_len: int) -> tuple[int, float]:
         """(j, rate): how many of `guesses` free guesses to draft for the most tokens a
         pass-equivalent, and that rate (j = 0: none, the rate of a plain pass)."""
-        b = bucket(match_len)
-        alpha = self.hits[b] / self.tries[b]
+        alpha = self.estimate.alpha(match_len)
         best, best_rate = 0, 1.0
         gain, reach = 1.0, 1.0
         for j in range(1, guesses + 1):
@@ -119,35 +120,28 @@ class FreeFirst:
         then `head_round` says what it drafted)."""
         guesses, match_len = self.free.draft(tokens, k)
         j, rate = self.best_free(len(guesses), match_len)
+        self._free_round = self._head_round = None
         if j and rate > self.head_rate():
-            self._pending = ("free", len(tokens), guesses[:j], bucket(match_len))
+            self._free_round = (len(tokens), j, bucket(match_len))
             self.rounds["free"] += 1
             return guesses[:j]
-        self._pending = None
         return []
 
     def head_round(self, tokens: list[int], rows: int, steps: int) -> None:
         """The head drafted this round: `rows` guesses (a tree's nodes) in `steps` steps."""
-        self._pending = ("head", len(tokens), [rows], steps)
+        cost = steps * self.costs.draft_step + self.costs.pass_cost(rows)
+        self._head_round = (len(tokens), cost)
         self.rounds["head"] += 1
 
     def commit(self, tokens: list[int]) -> None:
         """The round's verdict (`tokens`: the sequence as it now stands): learn from it."""
         self.free.commit(tokens)
-        if self._pending is None:
-            return
-        kind, start, ids, extra = self._pending
-        self._pending = None
-        emitted = len(tokens) - start  # the kept guesses and the target's own token
-        if kind == "head":
-            cost = extra * self.costs.draft_step + self.costs.pass_cost(ids[0])
+        if self._head_round is not None:
+            start, cost = self._head_round
+            emitted = len(tokens) - start  # the kept guesses and the target's own token
             self.head_tokens = self.head_tokens * DECAY + emitted
             self.head_cost = self.head_cost * DECAY + cost
-            return
-        kept = emitted - 1
-        b = extra
-        self.hits[b] *= DECAY
-        self.tries[b] *= DECAY
-        for i in range(min(len(ids), kept + 1)):  # guesses judged: the kept ones, one missed
-            self.tries[b] += 1.0
-            self.hits[b] += 1.0 if i < kept else 0.0
+        if self._free_round is not None:
+            start, offered, b = self._free_round
+            self.estimate.observe(b, offered, len(tokens) - start - 1)
+        self._free_round = self._head_round = None

@@ -80,6 +80,29 @@ def bucket(match_len: int) -> int:
     return min(max(match_len, 1).bit_length(), len(FREE_PRIOR)) - 1
 
 
+class FreeAcceptance:
+    """P(a free guess is kept | the guesses before it were), per match-length bucket: the
+    prior FREE_PRIOR at PRIOR_WEIGHT guesses, then the verdicts, each round's estimate
+    decayed by DECAY (hybrid's and free-first drafting's, drafters/free_first.py)."""
+
+    def __init__(self) -> None:
+        self.hits = [p * PRIOR_WEIGHT for p in FREE_PRIOR]
+        self.tries = [PRIOR_WEIGHT] * len(FREE_PRIOR)
+
+    def alpha(self, match_len: int) -> float:
+        b = bucket(match_len)
+        return self.hits[b] / self.tries[b]
+
+    def observe(self, b: int, offered: int, kept: int) -> None:
+        """A round drafted `offered` free guesses of bucket b and `kept` of them were kept:
+        the kept ones count as hits, the first rejected one (if reached) as a miss."""
+        self.hits[b] *= DECAY
+        self.tries[b] *= DECAY
+        for i in range(min(offered, kept + 1)):
+            self.tries[b] += 1.0
+            self.hits[b] += 1.0 if i < kept else 0.0
+
+
 def mixed_q(free: torch.Tensor, model_q: torch.Tensor) -> torch.Tensor:
     """q of a mixed proposal: one-hot rows for the free guesses free [j] (what q = None
     means), then the draft model's rows model_q [K, vocab]. Returns [j + K, vocab]."""
@@ -176,8 +199,7 @@ class HybridProposer(Drafter):
         return seat
 
     def _reset_estimates(self) -> None:
-        self.free_hits = [p * PRIOR_WEIGHT for p in FREE_PRIOR]
-        self.free_tries = [PRIOR_WEIGHT] * len(FREE_PRIOR)
+        self.free_estimate = FreeAcceptance()
         # P(model guess i accepted | the guesses before it were): only its estimates are used
         costs = replace(self.costs, draft_step=self.cost_ratio)
         self.model_estimate = AdaptiveK(MAX_MODEL_GUESSES, costs)
@@ -195,7 +217,7 @@ class HybridProposer(Drafter):
         """(j, K): use the first j free guesses, then K model guesses, for the most expected
         tokens per unit of cost; (0, 0) (a plain pass) unless some plan beats it. `unseen`:
         tokens the draft model must catch up on before it guesses."""
-        alpha = self.free_hits[bucket(match_len)] / self.free_tries[bucket(match_len)]
+        alpha = self.free_estimate.alpha(match_len)
         c = self.cost_ratio if self.live_cost is None else self.live_cost.value
         model_gain = [0.0]  # model_gain[K] = sum_{i<=K} prod_{t<=i} a_t
         reach = 1.0
@@ -286,10 +308,6 @@ class HybridProposer(Drafter):
         ):
             accepted += 1
         if j:
-            self.free_hits[b] *= DECAY
-            self.free_tries[b] *= DECAY
-            for i in range(min(j, accepted + 1)):
-                self.free_tries[b] += 1.0
-                self.free_hits[b] += 1.0 if i < accepted else 0.0
+            self.free_estimate.observe(b, j, accepted)
         if n_model and accepted >= j:  # the model's guesses were reached
             self.model_estimate.observe(n_model, accepted - j)
