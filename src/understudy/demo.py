@@ -135,7 +135,8 @@ def machine_bound(costs: Costs, rounds: list[RoundEvent], measured: float) -> st
     if free:
         kind = kinds[-1]
         parts.append(
-            f"{kind.rounds} rounds of free guesses (c = 0) at {kind.acceptance:.0%}, K = {kind.k}"
+            f"{kind.rounds} round{'s' if kind.rounds > 1 else ''} of free guesses (c = 0) at "
+            f"{kind.acceptance:.0%}, K = {kind.k}"
         )
     if plain:
         parts.append(f"1 token a pass in the other {plain}")
