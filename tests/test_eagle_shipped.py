@@ -22,6 +22,7 @@ from understudy.drafters import eagle
 from understudy.drafters.eagle import default_head_dir
 from understudy.head.lockstep import decode_in_lockstep, prepare_target
 from understudy.head.pipeline import HeadSettings, train_head
+from understudy.head.train import TrainConfig
 from understudy.kernels import qgemm
 from understudy.models import head_file
 from understudy.models.head_file import file_sha256, load_packed_head, pack_head, read_packed
@@ -191,3 +192,30 @@ def test_pack_head_from_the_command_line(trained, tmp_path):
     (unbound / "head.safetensors").write_bytes((folder / "head.safetensors").read_bytes())
     bad = cli("pack-head", str(unbound), "--out", str(tmp_path / "x.safetensors"))
     assert bad.returncode == 2 and "sha256" in " ".join(bad.stderr.split())
+
+
+def test_training_goes_on_from_a_packed_head(trained, tmp_path):
+    """`init` a packed head's file: training starts from its dequantized Q4_0 weights and
+    keeps its vocabulary (at a learning rate of ~0 it ends where it started); a packed head
+    of another target file is refused by name."""
+    target, _, packed = trained
+    model = load_model(target).model
+    prepare_target(model)
+    gen = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(1, 300, (6,), generator=gen).tolist() for _ in range(8)]
+    sequences = decode_in_lockstep(model, prompts, 48).tokens.tolist()
+    still = HeadSettings(96, 256, TrainConfig(epochs=1, batch=4, lr=1e-12, warmup=1))
+    meta = train_head(load_model(target), sequences, tmp_path / "more", "t", still, False,
+                      init=packed)  # fmt: skip
+    assert meta["init"] == str(packed) and meta["feature_layers"] == [0, 1, 2]
+    start = load_packed_head(packed, load_model(target).model).state_dict()
+    after = load_file(str(tmp_path / "more" / "head.safetensors"))
+    assert torch.equal(after["vocab"], start["vocab"])
+    for name, weight in after.items():
+        if name != "vocab":
+            torch.testing.assert_close(weight, start[name].float(), atol=1e-6, rtol=0)
+    other = write_tiny_qwen2_gguf(tmp_path / "other.gguf", seed=4, layer_types=KERNEL_LAYER_TYPES,
+                                  layers=3)  # fmt: skip
+    with pytest.raises(UnderstudyError, match="packed for another target file"):
+        train_head(load_model(str(other)), sequences, tmp_path / "x", "t", still, False,
+                   init=packed)  # fmt: skip

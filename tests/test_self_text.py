@@ -2,8 +2,9 @@
 
 Packed batches must decode each sequence exactly as plain greedy decoding would, with the
 features a full pass gives (a row that saw another sequence's slots would not); docstring
-prompts are the signature and docstring of documented functions; `train_head` trains on
-self-written text, alone or beside a corpus, and `init` starts from a trained head.
+prompts are the signature and docstring of documented functions, chat prompts ask something
+of a whole function in the chat template; `train_head` trains on self-written text, alone or
+beside a corpus, and `init` starts from a trained head.
 """
 
 from __future__ import annotations
@@ -20,7 +21,15 @@ from understudy import Engine, SamplingParams
 from understudy.head.features import target_features
 from understudy.head.lockstep import decode_in_lockstep
 from understudy.head.pipeline import HeadSettings, train_head
-from understudy.head.self_text import LENGTH_RUN, OPENERS, docstring_prompts, function_prompts
+from understudy.head.self_text import (
+    CHAT_ASKS,
+    LENGTH_RUN,
+    OPENERS,
+    chat_prompts,
+    docstring_prompts,
+    function_prompts,
+    function_sources,
+)
 from understudy.head.train import TrainConfig
 from understudy.models.loader import load_model
 
@@ -63,6 +72,58 @@ def test_function_prompts_are_signature_and_docstring():
         ]
     )
     assert list(function_prompts("def broken(:\n")) == []
+
+
+def test_function_sources_are_whole_documented_functions():
+    sources = list(function_sources(SOURCE))
+    assert sorted(sources) == sorted(
+        [
+            "@functools.cache\ndef get(self, key: str) -> int:\n"
+            '    """Return the value stored under key, or raise KeyError."""\n'
+            "    return self.items[key]",
+            'async def fetch(url):\n    """Fetch url and return its body as bytes.\n\n'
+            '    Retries twice on a timeout.\n    """\n    return await get(url)',
+        ]
+    )
+
+
+def test_chat_prompts_ask_of_whole_functions_in_the_chat_template(tiny_pair, tmp_path):
+    """Each chat prompt is the tokenizer's chat template (the assistant's turn open) around
+    one user message: an ask of CHAT_ASKS and one whole function in a fence; none passes
+    max_tokens, every ask is made, and a smaller limit's list is a prefix of a larger one's
+    (across a run boundary: cached shards stay valid when more text is asked for)."""
+    from transformers import AutoTokenizer
+
+    target, _ = tiny_pair
+    tokenizer = AutoTokenizer.from_pretrained(target)
+    source = "".join(
+        f'def f{i}(x):\n    """Return x plus {i}, checked."""\n    return x + {i}\n\n'
+        for i in range(LENGTH_RUN + 100)
+    )
+    (tmp_path / "many.py").write_text(source)
+    files = [tmp_path / "many.py"]
+    many = chat_prompts(files, tokenizer, 10**6, max_tokens=159)
+    assert LENGTH_RUN + 10 < len(many) and len({tuple(p) for p in many}) == len(many)
+    asked = dict.fromkeys(CHAT_ASKS, 0)
+    for ids in many:
+        assert len(ids) <= 159
+        text = tokenizer.decode(ids)
+        number = text.split("def f")[1].split("(")[0]
+        ask = next(ask for ask in CHAT_ASKS if ask in text)
+        asked[ask] += 1
+        message = (
+            f'{ask}\n\n```python\ndef f{number}(x):\n    """Return x plus {number}, checked."""'
+            f"\n    return x + {number}\n```"
+        )
+        wrapped = tokenizer.apply_chat_template(
+            [{"role": "user", "content": message}],
+            add_generation_prompt=True, tokenize=True, return_dict=True,
+        )  # fmt: skip
+        assert ids == list(wrapped["input_ids"])
+    assert min(asked.values()) > 0
+    for limit in (7, LENGTH_RUN + 3):
+        assert chat_prompts(files, tokenizer, limit, max_tokens=159) == many[:limit]
+    assert chat_prompts(files, tokenizer, 10, max_tokens=20) == []  # all longer than 20
 
 
 def test_more_prompts_extend_fewer(tiny_pair, tmp_path):
@@ -186,6 +247,8 @@ def test_self_text_options_are_checked(tiny_pair, tmp_path):
         (["--opener-tokens", "100"], "--opener-tokens must be 0 or at least 512"),
         (["--opener-tokens", "4096", "--self-len", "64"], "--self-len must be over 64"),
         (["--opener-tokens", "-1"], "--opener-tokens must be at least 0"),
+        (["--chat-tokens", "100"], "--chat-tokens must be 0 or at least 512"),
+        (["--chat-tokens", "-1"], "--chat-tokens must be at least 0"),
     ):
         bad = cli("train-head", *common, *options)
         assert bad.returncode == 2 and said in " ".join(bad.stderr.split()), bad.stderr
@@ -287,3 +350,28 @@ def test_train_head_on_text_begun_from_openers(tiny_pair, tmp_path):
     for row, opener in zip(shard["tokens"], OPENERS, strict=False):
         ids = tokenizer(opener)["input_ids"]
         assert row[: len(ids)].tolist() == ids
+
+
+def test_train_head_on_chat_answers_from_the_command_line(tiny_pair, tmp_path):
+    """`--chat-tokens N`: the target answers chat prompts about standard-library functions;
+    its shards begin with those prompts, and the source holds out its own last sequences."""
+    from transformers import AutoTokenizer
+
+    from understudy.head.corpus import stdlib_files
+
+    target, _ = tiny_pair
+    out = tmp_path / "head"
+    made = cli("train-head", "--target", target, "--no-progress", "--tokens", "0", "--self-len",
+               "192", "--chat-tokens", "768", "--epochs", "1", "--intermediate-size", "32",
+               "--draft-vocab", "64", "--out", str(out))  # fmt: skip
+    assert made.returncode == 0, made.stderr
+    assert "0 tokens (stdlib) + 768 the target writes" in " ".join(made.stderr.split())
+    meta = json.loads((out / "config.json").read_text())["meta"]
+    assert meta["chat_sequences"] == 4 and meta["chat_tokens"] == 768
+    assert meta["self_sequences"] == meta["opener_sequences"] == 0
+    assert meta["train_sequences"] == 3  # 1 of the 4 held out
+    shard = load_file(str(out / "features-chat-192-layers-0-1" / "features-0000.safetensors"))
+    tokenizer = AutoTokenizer.from_pretrained(target)
+    for row, prompt in zip(shard["tokens"], chat_prompts(stdlib_files(), tokenizer, 4, 191),
+                           strict=True):  # fmt: skip
+        assert row[: len(prompt)].tolist() == prompt

@@ -69,12 +69,23 @@ def train_head_command(
             "(48 tokens), then continues greedily."
         ),
     ] = 0,
+    chat_tokens: Annotated[
+        int,
+        typer.Option(
+            help="Also train on this many tokens the target writes answering chat requests "
+            "about standard-library functions (explain, review, edit, test, translate one): "
+            "its chat template, prose and code, for chat and editing requests."
+        ),
+    ] = 0,
     self_len: Annotated[
         int, typer.Option(help="Tokens per self-written sequence (a divisor of --seq-len).")
     ] = 256,
     init: Annotated[
         Path | None,
-        typer.Option(help="Start from this trained head (its folder) instead of a fresh one."),
+        typer.Option(
+            help="Start from this trained head instead of a fresh one: its folder, or a "
+            "packed head's file (the package's: `understudy inspect TARGET --json`'s eagle_head)."
+        ),
     ] = None,
     epochs: Annotated[int, typer.Option(help="Passes over the corpus.")] = 6,
     batch: Annotated[int, typer.Option(help="Sequences per optimizer step.")] = 2,
@@ -111,7 +122,7 @@ def train_head_command(
     from understudy.models.loader import load_model
     from understudy.models.registry import DEFAULT_TARGET
 
-    sizes = TextSizes(tokens, seq_len, self_tokens, opener_tokens, self_len)
+    sizes = TextSizes(tokens, seq_len, self_tokens, opener_tokens, self_len, chat_tokens)
     problem = sizes.problem() or _option_problem(
         epochs, batch, unroll, intermediate_size, draft_vocab, init, lr, feature_noise, precision
     )
@@ -136,7 +147,7 @@ def train_head_command(
             raise UnderstudyError(f"target {loaded.name!r} has no tokenizer: cannot read text")
         text = training_text(loaded.tokenizer, data, sizes)
         folder = out or default_head_dir(loaded.name)
-        own = (len(text.prompts) + len(text.openers)) * self_len
+        own = (len(text.prompts) + len(text.openers) + len(text.chats)) * self_len
         written = f" + {own} the target writes" if own else ""
         err.print(
             f"training a head for {loaded.name} on {len(text.sequences) * seq_len} tokens "
@@ -151,7 +162,7 @@ def train_head_command(
         )
         meta = train_head(
             loaded, text.sequences, folder, text.corpus, settings, progress, text.prompts,
-            init, text.openers,
+            init, text.openers, text.chats,
         )  # fmt: skip
     except (UnderstudyError, FileNotFoundError, ValueError) as error:
         fail(str(error))
@@ -168,13 +179,15 @@ def train_head_command(
 @dataclass(frozen=True)
 class TextSizes:
     """How much text a head trains on: corpus tokens in sequences of seq_len, and text the
-    target writes itself (from docstrings; from file openers) in sequences of self_len."""
+    target writes itself (from docstrings; from file openers; answering chat requests) in
+    sequences of self_len."""
 
     tokens: int
     seq_len: int
     self_tokens: int
     opener_tokens: int
     self_len: int
+    chat_tokens: int = 0
 
     def problem(self) -> str | None:
         """The first option out of range, as a one-line message, or None."""
@@ -183,22 +196,24 @@ class TextSizes:
         for name, value, low in (
             ("self-tokens", self.self_tokens, 0),
             ("opener-tokens", self.opener_tokens, 0),
+            ("chat-tokens", self.chat_tokens, 0),
             ("seq-len", self.seq_len, 16),
             ("self-len", self.self_len, 16),
         ):
             if value < low:
                 return f"--{name} must be at least {low}, got {value}"
-        written = self.self_tokens or self.opener_tokens
+        written = self.self_tokens or self.opener_tokens or self.chat_tokens
         if self.tokens < 2 * self.seq_len and (self.tokens or not written):
             return (
-                f"--tokens must be at least {2 * self.seq_len} (or 0 with --self-tokens or "
-                f"--opener-tokens), got {self.tokens}"
+                f"--tokens must be at least {2 * self.seq_len} (or 0 with --self-tokens, "
+                f"--opener-tokens or --chat-tokens), got {self.tokens}"
             )
         if written and self.tokens and self.seq_len % self.self_len:
             return f"--seq-len {self.seq_len} must be a multiple of --self-len {self.self_len}"
         for name, value in (
             ("self-tokens", self.self_tokens),
             ("opener-tokens", self.opener_tokens),
+            ("chat-tokens", self.chat_tokens),
         ):
             if value and value < 2 * self.self_len:
                 return f"--{name} must be 0 or at least {2 * self.self_len}, got {value}"
@@ -226,8 +241,8 @@ def _option_problem(
     ):
         if value < low:
             return f"--{name} must be at least {low}, got {value}"
-    if init is not None and not (init / "head.safetensors").is_file():
-        return f"--init {init}: no trained head there (head.safetensors)"
+    if init is not None and not (init.is_file() or (init / "head.safetensors").is_file()):
+        return f"--init {init}: no trained head there (head.safetensors) and not a packed head"
     if not lr > 0:
         return f"--lr must be positive, got {lr}"
     if not feature_noise >= 0:
@@ -239,21 +254,23 @@ def _option_problem(
 
 @dataclass(frozen=True)
 class TrainingText:
-    """The token sequences a head trains on, the prompts the target continues itself, and the
-    corpus's name (its features' cache key)."""
+    """The token sequences a head trains on, the prompts the target continues itself
+    (docstrings, file openers, chat requests), and the corpus's name (its features' cache
+    key)."""
 
     sequences: list[list[int]]
     prompts: list[list[int]]
     openers: list[list[int]]
     corpus: str
+    chats: list[list[int]]
 
 
 def training_text(tokenizer: Any, data: list[Path] | None, sizes: TextSizes) -> TrainingText:
     """The corpus (`data`'s files, or the standard library's source) cut into sequences, and
-    the docstring and opener prompts; UnderstudyError where there is too little of either."""
+    the docstring, opener and chat prompts; UnderstudyError where there is too little."""
     from understudy.config import UnderstudyError
     from understudy.head.corpus import stdlib_files, text_files, token_sequences
-    from understudy.head.self_text import docstring_prompts, opener_prompts
+    from understudy.head.self_text import chat_prompts, docstring_prompts, opener_prompts
 
     if data:
         files = text_files(list(data))
@@ -278,7 +295,13 @@ def training_text(tokenizer: Any, data: list[Path] | None, sizes: TextSizes) -> 
     openers: list[list[int]] = []
     if sizes.opener_tokens:
         openers = opener_prompts(tokenizer, whole_shards(sizes.opener_tokens // sizes.self_len))
-    return TrainingText(sequences, prompts, openers, corpus)
+    chats: list[list[int]] = []
+    if sizes.chat_tokens:
+        count = whole_shards(sizes.chat_tokens // sizes.self_len)
+        chats = chat_prompts(stdlib_files(), tokenizer, count, sizes.self_len - 1)
+        if len(chats) < 2:
+            raise UnderstudyError("found under 2 chat prompts shorter than --self-len")
+    return TrainingText(sequences, prompts, openers, corpus, chats)
 
 
 def parse_feature_layers(text: str) -> tuple[int, ...] | None | bool:

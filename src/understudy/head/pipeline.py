@@ -6,6 +6,7 @@ finds it by itself):
     features-<corpus>-<T><layers>/     cached target features (head/shards.py), reusable
     features-self-<T><layers>/         the target's own continuations (head/self_text.py)
     features-open-<T><layers>/         ... of prompts it began itself from file openers
+    features-chat-<T><layers>/         ... its answers to chat requests about code
     checkpoint.pt                      the training state, for resuming
 (<layers>: "-layers-1-13-27" where the head reads those layers' outputs, else empty.)
 Every stage resumes: shards already extracted are kept, a checkpoint is continued.
@@ -36,7 +37,7 @@ from understudy.models.eagle_head import (
     read_head_config,
     save_head,
 )
-from understudy.models.head_file import file_sha256
+from understudy.models.head_file import file_sha256, load_packed_head, read_packed
 from understudy.models.loader import LoadedModel
 from understudy.models.norms import norm_scale
 
@@ -75,7 +76,7 @@ def release_layers(target: LoadedModel) -> None:
 def feature_layers_of(target: LoadedModel, settings: HeadSettings, init: Path | None) -> tuple:
     """The layers the head reads: an --init head's, else the settings', else the default."""
     if init is not None:
-        return read_head_config(init)[0].feature_layers
+        return init_config(init).feature_layers
     if settings.feature_layers is not None:
         return settings.feature_layers
     return default_feature_layers(target.model.cfg.num_layers)
@@ -128,8 +129,23 @@ def new_head(
     return head
 
 
+def init_config(init: Path) -> HeadConfig:
+    """The config of an --init head: a packed head's file or a trained head's folder."""
+    return read_packed(init)[0] if init.is_file() else read_head_config(init)[0]
+
+
 def start_head(target: LoadedModel, init: Path) -> EagleHead:
-    """A head to train further: `init`'s weights and draft vocabulary (a head of this target)."""
+    """A head to train further: `init`'s weights and draft vocabulary (a head of this target).
+    A packed head (`init` a file) starts from its Q4_0 weights dequantized: the float
+    weights it was packed from are not in it, and training moves its weights off the grid."""
+    if init.is_file():
+        _, digest, _ = read_packed(init)
+        if digest != file_sha256(target.name):
+            raise UnderstudyError(
+                f"--init {init}: a head packed for another target file (sha256 {digest[:12]}...), "
+                f"not {target.name!r}"
+            )
+        return load_packed_head(init, target.model).float()
     init_cfg, meta = read_head_config(init)
     if meta.get("target") not in (None, target.name):
         raise UnderstudyError(
@@ -152,6 +168,7 @@ def train_head(
     self_prompts: list[list[int]] | None = None,
     init: Path | None = None,
     opener_prompts: list[list[int]] | None = None,
+    chat_prompts: list[list[int]] | None = None,
 ) -> dict[str, object]:
     """Extract features (cached), train, save; returns the config.json "meta" facts.
 
@@ -161,11 +178,14 @@ def train_head(
     holds out its own last sequences. `init`: start from that trained head (its vocabulary
     and feature layers are kept) instead of a fresh one. `opener_prompts`: file openers
     (self_text.opener_prompts) after which the target samples OPENER_SAMPLED tokens of
-    prompt, then continues greedily; a third source. Releases the target's layers once
-    features are extracted."""
+    prompt, then continues greedily; a third source. `chat_prompts`: chat requests
+    (self_text.chat_prompts) the target answers greedily; a fourth. `init` may be a packed
+    head's file (models/head_file.py), the package's among them. Releases the target's
+    layers once features are extracted."""
     self_prompts = self_prompts or []
     opener_prompts = opener_prompts or []
-    if len(sequences) + len(self_prompts) + len(opener_prompts) < 2:
+    chat_prompts = chat_prompts or []
+    if len(sequences) + len(self_prompts) + len(opener_prompts) + len(chat_prompts) < 2:
         raise ValueError("training a head needs at least 2 sequences (one is held out)")
     sources = [
         Source(name, prompts, length, sampled)
@@ -173,6 +193,7 @@ def train_head(
             (corpus, sequences, len(sequences[0]) if sequences else 0, 0),
             ("self", self_prompts, settings.self_len, 0),
             ("open", opener_prompts, settings.self_len, OPENER_SAMPLED),
+            ("chat", chat_prompts, settings.self_len, 0),
         )
         if prompts
     ]
@@ -201,6 +222,8 @@ def train_head(
         "self_tokens": len(self_prompts) * settings.self_len,
         "opener_sequences": len(opener_prompts),
         "opener_tokens": len(opener_prompts) * settings.self_len,
+        "chat_sequences": len(chat_prompts),
+        "chat_tokens": len(chat_prompts) * settings.self_len,
         "init": str(init) if init is not None else None,
         "feature_layers": list(layers),
         "extract_seconds_this_run": round(extract_s, 1),
