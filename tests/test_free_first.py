@@ -19,6 +19,7 @@ from test_exactness import P_THRESHOLD, WARPS, goodness_of_fit
 from understudy import Engine, SamplingParams, UnderstudyError
 from understudy.drafters.base import Proposal
 from understudy.drafters.free_first import HEAD_PRIOR_RATE, FreeFirst
+from understudy.drafters.hybrid import DECAY, bucket
 from understudy.drafters.ngram import NgramProposer
 from understudy.head.pipeline import train_head
 from understudy.models.loader import load_model
@@ -62,6 +63,39 @@ def test_kept_and_missed_free_guesses_move_the_estimate():
     after = free_first.best_free(8, match)
     assert after[1] < before[1], (before, after)
     assert free_first.head_rate() == HEAD_PRIOR_RATE  # a free round says nothing of the head
+
+
+def test_guesses_the_head_won_over_teach_the_estimate_by_what_was_emitted():
+    """A declined offer is scored against the tokens the head's round emitted: guesses the
+    text then held raise the estimate of their bucket, a guess it did not hold lowers it;
+    guesses past what was emitted say nothing."""
+
+    def head_round_after(emitted: list[int]) -> tuple[float, float]:
+        free_first = FreeFirst(NgramProposer(), COSTS)
+        free_first.begin(REPEATED[:20])
+        free_first.head_tokens, free_first.head_cost = 1e6, 1.0  # the head wins every round
+        _, match = free_first.free.draft(REPEATED[:20], 8)
+        before = free_first.estimate.alpha(match)
+        assert free_first.offer(REPEATED[:20], 8) == []
+        free_first.head_round(REPEATED[:20], rows=2, steps=2)
+        free_first.commit(REPEATED[:20] + emitted)
+        return before, free_first.estimate.alpha(match)
+
+    repeated = REPEATED[20:23]  # the head's round kept 2 guesses and added a third token
+    before, after = head_round_after(repeated)
+    assert after > before  # 3 guesses it declined were what the text then held
+    before, after = head_round_after([REPEATED[20], 0, 0])
+    assert after < before  # the second declined guess was not
+    free_first = FreeFirst(NgramProposer(), COSTS)
+    free_first.begin(REPEATED[:20])
+    free_first.head_tokens = 1e6
+    _, match = free_first.free.draft(REPEATED[:20], 8)
+    b = bucket(match)
+    tries = free_first.estimate.tries[b]
+    assert free_first.offer(REPEATED[:20], 8) == []
+    free_first.head_round(REPEATED[:20], rows=0, steps=0)
+    free_first.commit(REPEATED[:20] + [REPEATED[20]])  # one token emitted: one verdict
+    assert free_first.estimate.tries[b] == pytest.approx(tries * DECAY + 1)
 
 
 def test_no_match_leaves_the_round_to_the_head():

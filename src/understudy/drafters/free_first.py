@@ -16,6 +16,13 @@ instead of the head's when their modelled rate beats the head's measured one:
 (T: the engine's measured pass curve, policy/costs.py). The idea is SAM-decoding's (Hu et
 al. 2024: a suffix automaton's drafts beside EAGLE's); the rule is ours.
 
+Guesses declined teach `a` too: after the head's round, the guesses the round declined are
+compared with the tokens it emitted, up to as many as it emitted. A free guess is one-hot, so
+it is kept with probability p(guess), and the emitted token is the target's own draw at that
+position: it equals the guess with that same probability (greedy: exactly when it would have
+been kept). Without this, a head that wins most rounds leaves `a` at what the few free
+rounds taken said, and a request never learns that its text repeats.
+
 Lossless: free guesses are deterministic (q = one-hot) and verified like any chain; the
 choice reads only verified history, and only the request's own (with "ngram"; "suffix" also
 reads earlier requests' text): a seeded answer is the same whenever it is asked. A free round's Proposal says so (`free`), and the
@@ -75,9 +82,10 @@ class FreeFirst:
         self.rounds = {"free": 0, "head": 0}  # rounds of each kind, all requests
         self._reset_estimates()
         # the round awaiting its verdict: free (start, guesses, bucket) or the head's
-        # (start, modelled cost); at most one is set
+        # (start, modelled cost, the free guesses it declined, their bucket); at most one
         self._free_round: tuple[int, int, int] | None = None
-        self._head_round: tuple[int, float] | None = None
+        self._head_round: tuple[int, float, list[int], int] | None = None
+        self._declined: tuple[list[int], int] = ([], 0)  # this round's offer, if declined
 
     def settle(self, costs: Costs) -> None:
         self.costs = costs
@@ -96,6 +104,7 @@ class FreeFirst:
         self.free.begin(prompt_ids)
         self._reset_estimates()
         self._free_round = self._head_round = None
+        self._declined = ([], 0)
 
     def head_rate(self) -> float:
         """Tokens a target-pass-equivalent of the head's rounds (decayed, with its prior)."""
@@ -124,23 +133,30 @@ class FreeFirst:
         if j and rate > self.head_rate():
             self._free_round = (len(tokens), j, bucket(match_len))
             self.rounds["free"] += 1
+            self._declined = ([], 0)
             return guesses[:j]
+        self._declined = (guesses, bucket(match_len))
         return []
 
     def head_round(self, tokens: list[int], rows: int, steps: int) -> None:
         """The head drafted this round: `rows` guesses (a tree's nodes) in `steps` steps."""
         cost = steps * self.costs.draft_step + self.costs.pass_cost(rows)
-        self._head_round = (len(tokens), cost)
+        self._head_round = (len(tokens), cost, *self._declined)
+        self._declined = ([], 0)
         self.rounds["head"] += 1
 
     def commit(self, tokens: list[int]) -> None:
         """The round's verdict (`tokens`: the sequence as it now stands): learn from it."""
         self.free.commit(tokens)
         if self._head_round is not None:
-            start, cost = self._head_round
-            emitted = len(tokens) - start  # the kept guesses and the target's own token
-            self.head_tokens = self.head_tokens * DECAY + emitted
+            start, cost, declined, b = self._head_round
+            emitted = tokens[start:]  # the kept guesses and the target's own token
+            self.head_tokens = self.head_tokens * DECAY + len(emitted)
             self.head_cost = self.head_cost * DECAY + cost
+            seen = min(len(declined), len(emitted))  # guesses whose verdict the text gives
+            if seen:
+                kept = next((i for i in range(seen) if declined[i] != emitted[i]), seen)
+                self.estimate.observe(b, seen, kept)
         if self._free_round is not None:
             start, offered, b = self._free_round
             self.estimate.observe(b, offered, len(tokens) - start - 1)
