@@ -125,16 +125,21 @@ def docstring_prompts(
     passes. The list for a smaller `limit` is a prefix of the list for a larger one."""
     max_tokens = min(max_tokens, MAX_PROMPT)
     found: list[list[int]] = []
-    for path in files:
-        try:
-            source = path.read_text(encoding="utf-8")
-        except (UnicodeDecodeError, OSError):
-            continue
+    for source in readable_sources(files):
         for prompt in function_prompts(source):
             ids = tokenizer(prompt)["input_ids"]
             if 4 <= len(ids) <= max_tokens:
                 found.append(ids)
     return fixed_order(found, limit, seed)
+
+
+def readable_sources(files: list[Path]) -> Iterator[str]:
+    """The text of each file that reads as UTF-8 (others are skipped)."""
+    for path in files:
+        try:
+            yield path.read_text(encoding="utf-8")
+        except (UnicodeDecodeError, OSError):
+            continue
 
 
 def fixed_order(found: list[list[int]], limit: int, seed: int) -> list[list[int]]:
@@ -177,11 +182,7 @@ def chat_prompts(
 
     max_tokens = min(max_tokens, MAX_PROMPT)
     found: list[list[int]] = []
-    for path in files:
-        try:
-            source = path.read_text(encoding="utf-8")
-        except (UnicodeDecodeError, OSError):
-            continue
+    for source in readable_sources(files):
         for code in function_sources(source):
             ask = CHAT_ASKS[len(found) % len(CHAT_ASKS)]
             message = {"role": "user", "content": f"{ask}\n\n```python\n{code}\n```"}
